@@ -1,0 +1,104 @@
+"""The registry of zoo variants.
+
+Importing this package registers every variant with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`. A variant
+joins with one `register_variant(name, ForCausalLMClass)` line below; its config class, base model class, backends,
+position types and cache formula are read off the classes.
+
+The modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
+else from the package; this file is the only one that is not copied.
+"""
+
+from dataclasses import dataclass
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from . import mha
+from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
+from .modeling_zoo import ZooForCausalLM, ZooModel, ZooPreTrainedModel
+
+
+@dataclass(frozen=True)
+class ZooVariant:
+    """One registered variant: a name and its causal-LM class; everything else is derived from the classes."""
+
+    name: str
+    causal_lm_class: type[ZooForCausalLM]
+
+    @property
+    def config_class(self) -> type[ZooConfig]:
+        return self.causal_lm_class.config_class
+
+    @property
+    def model_class(self) -> type[ZooModel]:
+        return self.causal_lm_class.base_model_class
+
+    @property
+    def model_type(self) -> str:
+        return self.config_class.model_type
+
+    @property
+    def position_types(self) -> tuple[str, ...]:
+        return self.config_class.supported_position_types
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        cls = self.causal_lm_class
+        flags = (
+            ("sdpa", cls._supports_sdpa),
+            ("flash_attention_2", cls._supports_flash_attn),
+            ("flex_attention", cls._supports_flex_attn),
+        )
+        return ("eager",) + tuple(name for name, supported in flags if supported)
+
+    @property
+    def cache_per_token(self) -> str:
+        return self.config_class.cache_per_token
+
+    @property
+    def description(self) -> str:
+        return self.config_class.description
+
+    def config(self, **kwargs) -> ZooConfig:
+        return self.config_class(**kwargs)
+
+
+VARIANTS: dict[str, ZooVariant] = {}
+
+
+def register_variant(name: str, causal_lm_class: type[ZooForCausalLM]) -> ZooVariant:
+    """Add a variant to `VARIANTS` and to transformers' Auto classes."""
+    if name in VARIANTS:
+        raise ValueError(f"variant {name!r} is already registered")
+    variant = ZooVariant(name, causal_lm_class)
+    AutoConfig.register(variant.model_type, variant.config_class, exist_ok=True)
+    AutoModel.register(variant.config_class, variant.model_class, exist_ok=True)
+    AutoModelForCausalLM.register(variant.config_class, causal_lm_class, exist_ok=True)
+    VARIANTS[name] = variant
+    return variant
+
+
+register_variant("mha", mha.ZooMHAForCausalLM)
+register_variant("mqa", mha.ZooMQAForCausalLM)
+register_variant("gqa", mha.ZooGQAForCausalLM)
+register_variant("single_head", mha.ZooSingleHeadForCausalLM)
+
+
+def get_variant(name_or_model_type: str) -> ZooVariant:
+    """Look a variant up by registry name (`gqa`) or model type (`zoo_gqa`)."""
+    for variant in VARIANTS.values():
+        if name_or_model_type in (variant.name, variant.model_type):
+            return variant
+    raise ValueError(f"unknown variant {name_or_model_type!r}; registered: {sorted(VARIANTS)}")
+
+
+__all__ = [
+    "POSITION_EMBEDDING_TYPES",
+    "VARIANTS",
+    "ZooConfig",
+    "ZooForCausalLM",
+    "ZooModel",
+    "ZooPreTrainedModel",
+    "ZooVariant",
+    "get_variant",
+    "register_variant",
+]

@@ -1,0 +1,186 @@
+"""`ZooConfig`: the configuration every zoo variant shares.
+
+Field names are the ones transformers uses for Llama (`hidden_size`, `num_attention_heads`, `num_key_value_heads`,
+`head_dim`, `rope_parameters`, ...), so a Llama config maps onto a zoo config field by field. What a zoo config adds is
+the choice of backbone pieces (`position_embedding_type`, `norm_type`, `mlp_type`, `hidden_dropout`,
+`scale_residual_init`) and validation: a config that cannot build a working model raises `ValueError` naming the field
+and the fix, at construction, at model construction and at save time.
+
+Each variant subclasses `ZooConfig` with its own `model_type`, defaults and extra checks (`_check_variant`), and
+declares which position types it supports (`supported_position_types`).
+
+This module is copied next to every saved checkpoint (see `save_pretrained`), so it imports nothing from the package.
+"""
+
+import math
+from typing import ClassVar
+
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+
+POSITION_EMBEDDING_TYPES = ("rope", "alibi", "sinusoidal", "learned", "none")
+NORM_TYPES = ("rmsnorm", "layernorm")
+MLP_TYPES = ("gated", "plain")
+
+
+class ZooConfig(PreTrainedConfig):
+    r"""
+    Base configuration of the zoo decoder backbone: a pre-norm transformer whose attention is chosen by the variant.
+
+    Args:
+        vocab_size (`int`): number of tokens of the embedding and of the output head.
+        hidden_size (`int`): width `d` of the residual stream.
+        intermediate_size (`int`, *optional*): inner width of the MLP; defaults to 4 * hidden_size for the plain MLP
+            and to 8/3 * hidden_size rounded up to a multiple of 64 for the gated one (same parameter count).
+        num_hidden_layers (`int`): number of decoder layers `L`.
+        num_attention_heads (`int`): number of query heads `H`.
+        num_key_value_heads (`int`, *optional*): number of key/value heads `G` (variant-specific default).
+        head_dim (`int`, *optional*): width of a head; defaults to `hidden_size // num_attention_heads`.
+        hidden_act (`str`): activation of the MLP (any key of `transformers.activations.ACT2FN`).
+        mlp_type (`str`): `"gated"` is `down(act(gate(x)) * up(x))` (SwiGLU with `hidden_act="silu"`, as Llama);
+            `"plain"` is `down(act(up(x)))` (GPT-2 with `hidden_act="gelu_new"`).
+        norm_type (`str`): `"rmsnorm"` (Llama) or `"layernorm"` (GPT-2, with bias).
+        max_position_embeddings (`int`): longest sequence the model is built for (size of `learned` positions).
+        position_embedding_type (`str`): one of `rope` (rotary, Su et al. 2021), `alibi` (linear biases, Press et al.
+            2022), `sinusoidal` (Vaswani et al. 2017), `learned` (GPT-2) or `none` (NoPE: the causal mask alone).
+        rope_parameters (`dict`, *optional*): transformers' RoPE parameters; `rope_theta=` is accepted too.
+        initializer_range (`float`): standard deviation of the normal initialisation.
+        scale_residual_init (`bool`): GPT-2's scaled init, std / sqrt(2L) for the projections that write into the
+            residual stream (`o_proj`, `down_proj`).
+        rms_norm_eps (`float`): epsilon of RMSNorm.
+        layer_norm_eps (`float`): epsilon of LayerNorm.
+        attention_bias (`bool`): bias on the q/k/v/o projections.
+        mlp_bias (`bool`): bias on the MLP projections.
+        attention_dropout (`float`): dropout on the attention probabilities.
+        hidden_dropout (`float`): dropout on the embeddings and on each residual branch.
+        tie_word_embeddings (`bool`): share the input embedding with the output head.
+    """
+
+    model_type = "zoo"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    # What a variant declares about itself; `hf-attn-zoo list` prints these.
+    supported_position_types: ClassVar[tuple[str, ...]] = POSITION_EMBEDDING_TYPES
+    cache_per_token: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    mlp_type: str = "gated"
+    norm_type: str = "rmsnorm"
+    max_position_embeddings: int = 2048
+    position_embedding_type: str = "rope"
+    rope_parameters: dict | None = None
+    initializer_range: float = 0.02
+    scale_residual_init: bool = True
+    rms_norm_eps: float = 1e-6
+    layer_norm_eps: float = 1e-5
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    def __post_init__(self, **kwargs):
+        if self.intermediate_size is None and _is_positive_int(self.hidden_size):
+            self.intermediate_size = default_intermediate_size(self.hidden_size, self.mlp_type)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and _is_positive_int(self.num_attention_heads) and _is_positive_int(self.hidden_size):
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}: pick a head count that divides it, or set head_dim explicitly "
+                    f"(the attention width is then num_attention_heads * head_dim)."
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        super().__post_init__(**kwargs)
+        self.validate()
+
+    def validate(self) -> None:
+        """Run transformers' own checks, then the zoo's; raises `ValueError` naming the field and the fix."""
+        super().validate()
+        self._check_backbone()
+        self._check_variant()
+
+    def _check_backbone(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not _is_positive_int(value):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            divisors = [g for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0]
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide num_attention_heads="
+                f"{self.num_attention_heads}: query head h reads key/value head h // (num_attention_heads / "
+                f"num_key_value_heads), so set num_key_value_heads to one of {divisors}."
+            )
+        _check_choice(
+            "position_embedding_type",
+            self.position_embedding_type,
+            self.supported_position_types,
+            f"{type(self).__name__} ({self.model_type})",
+        )
+        _check_choice("norm_type", self.norm_type, NORM_TYPES)
+        _check_choice("mlp_type", self.mlp_type, MLP_TYPES)
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r} is not a known activation; use one of transformers' ACT2FN keys, "
+                f"e.g. 'silu', 'gelu', 'gelu_new', 'relu'."
+            )
+        if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be even for position_embedding_type='rope' (RoPE rotates pairs of "
+                f"channels); choose an even head_dim or another position_embedding_type."
+            )
+        if self.position_embedding_type == "sinusoidal" and self.hidden_size % 2 != 0:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be even for position_embedding_type='sinusoidal' (sine and "
+                f"cosine channels come in pairs)."
+            )
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}.")
+        for name in ("initializer_range", "rms_norm_eps", "layer_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}.")
+
+    def _check_variant(self) -> None:
+        """Variant-specific checks; subclasses override."""
+
+
+def default_intermediate_size(hidden_size: int, mlp_type: str) -> int:
+    if mlp_type == "gated":
+        return 64 * math.ceil(8 * hidden_size / 3 / 64)
+    return 4 * hidden_size
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_choice(field: str, value, choices: tuple[str, ...], owner: str | None = None) -> None:
+    if value not in choices:
+        where = f" by {owner}" if owner else ""
+        raise ValueError(f"{field}={value!r} is not supported{where}; use one of {list(choices)}.")

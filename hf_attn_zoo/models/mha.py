@@ -1,0 +1,199 @@
+"""Scaled dot-product attention with shared key/value heads: MHA, GQA, MQA and single-head, one implementation.
+
+Papers: Vaswani et al. 2017, "Attention Is All You Need" (multi-head); Shazeer 2019, "Fast Transformer Decoding: One
+Write-Head is All You Need" (multi-query); Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer
+Models from Multi-Head Checkpoints" (grouped-query).
+
+The H query heads share G key/value heads in contiguous groups, as transformers' `repeat_kv`: query head h reads KV
+head h // (H / G). MHA is G = H, MQA is G = 1, GQA anything between, and single-head is one head of width
+`hidden_size`. The four differ only in their config class (defaults and validation), so a checkpoint says what it is
+(`zoo_gqa`, `zoo_mqa`).
+
+Cache per token: 2 * L * G * head_dim values (keys and values of every layer); MQA is MHA / H.
+
+The kernel comes from transformers' `ALL_ATTENTION_FUNCTIONS` (`eager`, `sdpa`, `flash_attention_2`,
+`flex_attention`); with ALiBi positions only `eager` and `sdpa`, which take an additive bias. Deviation from the
+papers: none beyond the backbone's choices (pre-norm, RoPE by default).
+"""
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+
+from .configuration_zoo import ZooConfig
+from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel, ZooSoftmaxKernels, apply_rotary_pos_emb
+
+
+class ZooMultiHeadAttention(ZooAttention):
+    """Softmax attention over `num_attention_heads` query heads and `num_key_value_heads` shared key/value heads."""
+
+    def __init__(self, config: ZooConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # read by the attention kernels
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]  # (B, T)
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        # (B, T, heads * d_h) -> (B, T, heads, d_h) -> (B, heads, T, d_h)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            # (B, G, S, d_h): everything cached so far, this step included
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H, d_h) -> (B, T, H * d_h)
+        return self.o_proj(attn_output), attn_weights
+
+
+class ZooMHAConfig(ZooConfig):
+    """Multi-head attention: one key/value head per query head (`num_key_value_heads == num_attention_heads`)."""
+
+    model_type = "zoo_mha"
+    description = "scaled dot-product, one KV head per query head"
+    cache_per_token = "2·L·H·d_h"
+
+    def _check_variant(self) -> None:
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"{self.model_type} needs num_key_value_heads == num_attention_heads, got num_key_value_heads="
+                f"{self.num_key_value_heads} and num_attention_heads={self.num_attention_heads}; leave "
+                f"num_key_value_heads unset, or use zoo_gqa / zoo_mqa for shared key/value heads."
+            )
+
+
+class ZooGQAConfig(ZooConfig):
+    """Grouped-query attention: `num_key_value_heads` (G) key/value heads, each shared by H / G query heads."""
+
+    model_type = "zoo_gqa"
+    description = "scaled dot-product, G KV heads shared by contiguous groups of H/G query heads"
+    cache_per_token = "2·L·G·d_h"
+
+    num_key_value_heads: int | None = 2
+
+
+class ZooMQAConfig(ZooConfig):
+    """Multi-query attention: a single key/value head shared by every query head."""
+
+    model_type = "zoo_mqa"
+    description = "scaled dot-product, one KV head shared by all query heads"
+    cache_per_token = "2·L·d_h"
+
+    num_key_value_heads: int | None = 1
+
+    def _check_variant(self) -> None:
+        if self.num_key_value_heads != 1:
+            raise ValueError(
+                f"{self.model_type} has exactly one key/value head, got num_key_value_heads="
+                f"{self.num_key_value_heads}; leave it unset (or 1), or use zoo_gqa for several key/value heads."
+            )
+
+
+class ZooSingleHeadConfig(ZooConfig):
+    """A single attention head as wide as the model (`num_attention_heads == num_key_value_heads == 1`)."""
+
+    model_type = "zoo_single_head"
+    description = "scaled dot-product, one head of width hidden_size"
+    cache_per_token = "2·L·d"
+
+    num_attention_heads: int = 1
+
+    def _check_variant(self) -> None:
+        if self.num_attention_heads != 1 or self.num_key_value_heads != 1:
+            raise ValueError(
+                f"{self.model_type} has one query and one key/value head, got num_attention_heads="
+                f"{self.num_attention_heads} and num_key_value_heads={self.num_key_value_heads}; leave both unset, "
+                f"or use zoo_mha / zoo_gqa / zoo_mqa for several heads."
+            )
+
+
+class ZooMHAFamilyModel(ZooSoftmaxKernels, ZooModel):
+    attention_class = ZooMultiHeadAttention
+
+
+class ZooMHAModel(ZooMHAFamilyModel):
+    config_class = ZooMHAConfig
+
+
+class ZooGQAModel(ZooMHAFamilyModel):
+    config_class = ZooGQAConfig
+
+
+class ZooMQAModel(ZooMHAFamilyModel):
+    config_class = ZooMQAConfig
+
+
+class ZooSingleHeadModel(ZooMHAFamilyModel):
+    config_class = ZooSingleHeadConfig
+
+
+class ZooMHAFamilyForCausalLM(ZooSoftmaxKernels, ZooForCausalLM):
+    pass
+
+
+class ZooMHAForCausalLM(ZooMHAFamilyForCausalLM):
+    config_class = ZooMHAConfig
+    base_model_class = ZooMHAModel
+
+
+class ZooGQAForCausalLM(ZooMHAFamilyForCausalLM):
+    config_class = ZooGQAConfig
+    base_model_class = ZooGQAModel
+
+
+class ZooMQAForCausalLM(ZooMHAFamilyForCausalLM):
+    config_class = ZooMQAConfig
+    base_model_class = ZooMQAModel
+
+
+class ZooSingleHeadForCausalLM(ZooMHAFamilyForCausalLM):
+    config_class = ZooSingleHeadConfig
+    base_model_class = ZooSingleHeadModel
+
+
+for _config_class in (ZooMHAConfig, ZooGQAConfig, ZooMQAConfig, ZooSingleHeadConfig):
+    _config_class.register_for_auto_class()
+for _model_class in (ZooMHAModel, ZooGQAModel, ZooMQAModel, ZooSingleHeadModel):
+    _model_class.register_for_auto_class("AutoModel")
+for _model_class in (ZooMHAForCausalLM, ZooGQAForCausalLM, ZooMQAForCausalLM, ZooSingleHeadForCausalLM):
+    _model_class.register_for_auto_class("AutoModelForCausalLM")

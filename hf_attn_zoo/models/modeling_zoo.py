@@ -1,0 +1,482 @@
+"""The decoder backbone every zoo variant shares, written once.
+
+A variant contributes one thing: its attention module (a `ZooAttention` subclass), set as `attention_class` on its
+`ZooModel` subclass. Everything else lives here: token and position embeddings, pre-norm decoder layers (RMSNorm or
+LayerNorm, gated or plain MLP, residual dropout), the final norm, the LM head, weight initialisation, the causal mask
+and the cache. The module layout and parameter names are Llama's (`model.embed_tokens`,
+`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `lm_head`), so a Llama state dict loads
+unchanged into the MHA family.
+
+Positions (`config.position_embedding_type`) are a backbone choice:
+- `rope`: rotary embeddings, computed here from `position_ids` and applied by the attention to queries and keys.
+- `alibi`: a per-head linear bias on the attention scores, folded into the additive attention mask built here.
+- `sinusoidal` / `learned`: absolute embeddings of `position_ids` added to the token embeddings.
+- `none`: nothing; the causal mask alone carries order.
+ALiBi and absolute positions read the true positions from `position_ids`. When a 2D `attention_mask` is given
+without `position_ids`, positions are counted over the unmasked tokens, so a left-padded row sees the same positions
+as the row alone (RoPE is relative, so it keeps Llama's plain `arange`).
+
+This module is copied next to every saved checkpoint, so it only imports transformers, torch and flat siblings.
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_zoo import ZooConfig
+
+__all__ = [
+    "ZooAttention",
+    "ZooDecoderLayer",
+    "ZooForCausalLM",
+    "ZooMLP",
+    "ZooModel",
+    "ZooPreTrainedModel",
+    "ZooRMSNorm",
+    "ZooSoftmaxKernels",
+    "alibi_slopes",
+    "apply_rotary_pos_emb",
+]
+
+
+class ZooRMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), as Llama's, on torch's fused kernel."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def make_norm(config: ZooConfig) -> nn.Module:
+    if config.norm_type == "layernorm":
+        return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return ZooRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class ZooMLP(nn.Module):
+    """Position-wise feed-forward: gated `down(act(gate(x)) * up(x))` (Llama's SwiGLU) or plain `down(act(up(x)))`."""
+
+    def __init__(self, config: ZooConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias) if config.mlp_type == "gated" else None
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(self.act_fn(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ZooAttention(nn.Module):
+    """Base of every variant's token mixer.
+
+    Contract: `forward(hidden_states, attention_mask, position_embeddings, past_key_values, **kwargs)` maps
+    `(B, T, hidden_size)` to `(output (B, T, hidden_size), attention weights (B, H, T, S) or None)`. It writes its
+    cache with `past_key_values.update(..., self.layer_idx)` (or a state layer of its own) and ends with `o_proj`,
+    the projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is the
+    RoPE `(cos, sin)` pair when `position_embedding_type == "rope"`, else None; ALiBi arrives inside
+    `attention_mask` as an additive float bias.
+    """
+
+    o_proj: nn.Linear
+
+    def __init__(self, config: ZooConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+
+
+class ZooDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`, each branch with residual dropout."""
+
+    def __init__(self, config: ZooConfig, layer_idx: int, attention_class: type[ZooAttention]) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(config)
+        self.self_attn = attention_class(config, layer_idx)
+        self.post_attention_layernorm = make_norm(config)
+        self.mlp = ZooMLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        attn_output, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(attn_output)
+        return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi head slopes (Press et al. 2022): the geometric sequence 2^(-8/n), 2^(-16/n), ... for n heads.
+
+    For a head count that is not a power of two, the paper takes the slopes of the closest smaller power of two and
+    fills the remaining heads with every other slope of the next power of two.
+    """
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_two_slopes(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_two_slopes(closest) + power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
+
+
+def sinusoidal_embedding(position_ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Vaswani et al. (2017) positions: sin on even channels, cos on odd ones. `(B, T)` -> `(B, T, dim)`."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim))
+    angles = position_ids[..., None].float() * inv_freq  # (B, T, dim/2)
+    # stack -> (B, T, dim/2, 2) -> flatten: channel 2i is sin, 2i+1 is cos of the same frequency
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).to(dtype)
+
+
+class ZooPreTrainedModel(PreTrainedModel):
+    config: ZooConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ZooDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _can_record_outputs = {"hidden_states": ZooDecoderLayer, "attentions": ZooAttention}
+    # Backends a variant can run through `ALL_ATTENTION_FUNCTIONS` (eager always works); variants set their own.
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    def __init__(self, config: ZooConfig, *inputs, **kwargs) -> None:
+        # A config may have been mutated after construction: check it again before building anything.
+        config.validate()
+        super().__init__(config, *inputs, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # GPT-2: the projections writing into the residual stream start smaller, std / sqrt(2L), so the variance of
+        # the stream does not grow with depth. Children are initialised before their parent, so this wins.
+        if isinstance(module, ZooDecoderLayer) and self.config.scale_residual_init:
+            std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
+            init.normal_(module.self_attn.o_proj.weight, mean=0.0, std=std)
+            init.normal_(module.mlp.down_proj.weight, mean=0.0, std=std)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, except that weights which do not fit the config are an error.
+
+        transformers re-initialises missing tensors with a warning, which turns a checkpoint whose `config.json` was
+        edited (more layers, other head counts) into a silently broken model. Here a mismatched or missing tensor
+        raises `ValueError` naming the tensor and the config fields that size it; `ignore_mismatched_sizes=True`
+        accepts the partial load (those tensors are freshly initialised).
+        """
+        accept_partial = kwargs.pop("ignore_mismatched_sizes", False)
+        return_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path,
+            *model_args,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+            **kwargs,
+        )
+        if not accept_partial and (info["mismatched_keys"] or info["missing_keys"]):
+            raise ValueError(describe_misfit(pretrained_model_name_or_path, model.config, info))
+        return (model, info) if return_info else model
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # transformers writes only the saved class into `auto_map`; list the three Auto classes so the checkpoint
+        # loads with `trust_remote_code=True` as a config, a base model or a causal LM.
+        self.config.auto_map = auto_map_for(type(self))
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+# Which config fields size each kind of tensor, to say what to fix when a checkpoint does not fit its config.
+_SHAPE_FIELDS = (
+    ("q_proj", "num_attention_heads, head_dim, hidden_size"),
+    ("k_proj", "num_key_value_heads, head_dim, hidden_size"),
+    ("v_proj", "num_key_value_heads, head_dim, hidden_size"),
+    ("o_proj", "num_attention_heads, head_dim, hidden_size"),
+    ("_proj", "intermediate_size, hidden_size"),
+    ("embed_tokens", "vocab_size, hidden_size"),
+    ("lm_head", "vocab_size, hidden_size"),
+    ("embed_positions", "max_position_embeddings, hidden_size"),
+    ("norm", "hidden_size"),
+)
+
+
+def describe_misfit(source, config: ZooConfig, info: dict) -> str:
+    lines = [f"the weights in {source} do not fit the model its config describes ({config.model_type}):"]
+    for key, checkpoint_shape, model_shape in sorted(info["mismatched_keys"])[:8]:
+        fields = next((fields for part, fields in _SHAPE_FIELDS if part in key), "the variant's own fields")
+        lines.append(
+            f"  {key}: checkpoint {list(checkpoint_shape)}, config builds {list(model_shape)} (sized by {fields})"
+        )
+    missing = sorted(info["missing_keys"])
+    if missing:
+        layers = "; with tensors of whole layers missing, check num_hidden_layers" if ".layers." in missing[0] else ""
+        lines.append(
+            f"  missing from the checkpoint: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}{layers}"
+        )
+    lines.append(
+        "Restore the config.json saved with these weights, or pass ignore_mismatched_sizes=True to initialise the "
+        "tensors that do not fit afresh."
+    )
+    return "\n".join(lines)
+
+
+class ZooSoftmaxKernels:
+    """Mixin for variants whose scores go through transformers' `ALL_ATTENTION_FUNCTIONS` unchanged."""
+
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+
+def auto_map_for(model_class: type[ZooPreTrainedModel]) -> dict[str, str]:
+    """`auto_map` naming the classes of `model_class`'s variant, as `<module file>.<class>`."""
+    causal_lm = model_class if issubclass(model_class, ZooForCausalLM) else model_class.causal_lm_class
+    base = causal_lm.base_model_class
+
+    def name(cls: type) -> str:
+        return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+
+    return {"AutoConfig": name(base.config_class), "AutoModel": name(base), "AutoModelForCausalLM": name(causal_lm)}
+
+
+class ZooModel(ZooPreTrainedModel):
+    """Embeddings, `num_hidden_layers` decoder layers built around `attention_class`, and the final norm."""
+
+    attention_class: type[ZooAttention]
+    causal_lm_class = None  # the variant's ZooForCausalLM subclass, set by `ZooForCausalLM.__init_subclass__`
+
+    def __init__(self, config: ZooConfig) -> None:
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        position_type = config.position_embedding_type
+        self.embed_positions = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size) if position_type == "learned" else None
+        )
+        self.rotary_emb = LlamaRotaryEmbedding(config=config) if position_type == "rope" else None
+        self.embed_dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(
+            [ZooDecoderLayer(config, layer_idx, self.attention_class) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = make_norm(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def make_cache(self) -> Cache:
+        """The cache `forward` starts when `use_cache=True` and none is given; state-based variants override."""
+        return DynamicCache(config=self.config)
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
+        if use_cache and past_key_values is None:
+            past_key_values = self.make_cache()
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_length)
+
+        hidden_states = inputs_embeds
+        position_type = self.config.position_embedding_type
+        if position_type == "learned":
+            self._check_learned_positions(position_ids)
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        elif position_type == "sinusoidal":
+            hidden_states = hidden_states + sinusoidal_embedding(
+                position_ids, self.config.hidden_size, hidden_states.dtype
+            )
+        hidden_states = self.embed_dropout(hidden_states)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+
+        causal_mask = self._attention_mask(inputs_embeds, attention_mask, past_key_values, position_ids, past_length)
+
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def _default_position_ids(
+        self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_length: int
+    ) -> torch.LongTensor:
+        seq_length = inputs_embeds.shape[1]
+        absolute = self.config.position_embedding_type in ("alibi", "sinusoidal", "learned")
+        if absolute and attention_mask is not None and attention_mask.ndim == 2:
+            # Count real tokens only: a left-padded row gets the positions it would have alone; pads sit at 0.
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, past + T)
+            return position_ids[:, -seq_length:]
+        return torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device).unsqueeze(0)
+
+    def _check_learned_positions(self, position_ids: torch.LongTensor) -> None:
+        if torch.compiler.is_compiling():
+            return
+        longest = int(position_ids.max())
+        if longest >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {longest} is beyond max_position_embeddings={self.config.max_position_embeddings} of the "
+                f"learned position table; shorten the input or build the model with a larger max_position_embeddings."
+            )
+
+    def _attention_mask(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        position_ids: torch.LongTensor,
+        past_length: int,
+    ) -> torch.Tensor | None:
+        """The causal and padding mask for the chosen backend; with ALiBi, an additive float mask with the bias."""
+        alibi = self.config.position_embedding_type == "alibi"
+        if alibi and self.config._attn_implementation not in ("eager", "sdpa"):
+            raise ValueError(
+                f"position_embedding_type='alibi' adds a bias to every attention score, which the "
+                f"{self.config._attn_implementation!r} backend cannot take; load the model with "
+                f"attn_implementation='sdpa' or 'eager', or use position_embedding_type='rope'."
+            )
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+            allow_is_causal_skip=not alibi,  # ALiBi needs the mask materialised to carry its bias
+        )
+        if not alibi:
+            return mask
+        return self._add_alibi_bias(mask, position_ids, past_length, inputs_embeds.dtype)
+
+    def _add_alibi_bias(
+        self, mask: torch.Tensor, position_ids: torch.LongTensor, past_length: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        # Key positions: the cached keys continue contiguously before the first new query; new keys are the queries.
+        batch_size = mask.shape[0]
+        query_positions = position_ids.expand(batch_size, -1)  # (B, T)
+        past_offsets = torch.arange(-past_length, 0, device=position_ids.device)  # (P,)
+        past_positions = query_positions[:, :1] + past_offsets  # (B, P)
+        key_positions = torch.cat((past_positions, query_positions), dim=-1)[:, -mask.shape[-1] :]  # (B, S)
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, T, S)
+        slopes = torch.tensor(alibi_slopes(self.config.num_attention_heads), device=mask.device, dtype=torch.float32)
+        bias = -slopes.view(1, -1, 1, 1) * distance  # (B, H, T, S)
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        return torch.where(allowed, bias, torch.finfo(dtype).min).to(dtype)
+
+
+class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
+    """A `ZooModel` with a language-modelling head; each variant subclasses it and sets `base_model_class`."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    base_model_class: type[ZooModel]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        base = cls.__dict__.get("base_model_class")
+        if base is not None:
+            base.causal_lm_class = cls
+
+    def __init__(self, config: ZooConfig) -> None:
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,  # consumed by @can_return_tuple: False returns a tuple
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Targets for the next-token loss; they are shifted inside, and -100 is ignored.
+        logits_to_keep (`int` or `torch.Tensor`, *optional*):
+            Compute logits for the last `logits_to_keep` positions only (0 keeps all), or for the given indices.
+        """
+        for name, flag in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
+            if flag is not None:
+                kwargs[name] = flag
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)  # (B, T_kept, vocab)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )

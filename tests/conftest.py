@@ -1,0 +1,110 @@
+"""Shared fixtures of the test suite: tiny configs for every registered variant and padded batches."""
+
+import os
+
+import pytest
+import torch
+
+import hf_attn_zoo
+from hf_attn_zoo.models import VARIANTS
+
+import references
+
+VOCAB_SIZE = 97
+
+# Every registered variant needs an entry: its tiny config, the configs it must refuse (kwargs, field named in the
+# error) and its naive reference attention. `test_every_variant_is_covered` fails when a variant has none.
+CONFORMANCE = {
+    "mha": {
+        "config": dict(num_attention_heads=4),
+        "invalid": [(dict(num_attention_heads=4, num_key_value_heads=2), "num_key_value_heads")],
+        "reference": references.softmax_attention,
+    },
+    "gqa": {
+        "config": dict(num_attention_heads=4, num_key_value_heads=2),
+        "invalid": [(dict(num_attention_heads=6, num_key_value_heads=4, hidden_size=48), "num_key_value_heads")],
+        "reference": references.softmax_attention,
+    },
+    "mqa": {
+        "config": dict(num_attention_heads=4),
+        "invalid": [(dict(num_attention_heads=4, num_key_value_heads=2), "num_key_value_heads")],
+        "reference": references.softmax_attention,
+    },
+    "single_head": {
+        "config": dict(),
+        "invalid": [(dict(num_attention_heads=2), "num_attention_heads")],
+        "reference": references.softmax_attention,
+    },
+}
+
+CASES = [
+    pytest.param(name, position, id=f"{name}-{position}")
+    for name, variant in VARIANTS.items()
+    for position in variant.position_types
+    if name in CONFORMANCE
+]
+
+
+def tiny_config(name: str, position_embedding_type: str = "rope", **overrides):
+    """A 2-layer, 32-wide config of variant `name`; large init so greedy choices are far from ties."""
+    kwargs = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        position_embedding_type=position_embedding_type,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=None,  # generation runs to max_new_tokens, so cached and uncached runs compare in full
+    )
+    kwargs.update(CONFORMANCE[name]["config"])
+    kwargs.update(overrides)
+    return VARIANTS[name].config(**kwargs)
+
+
+def tiny_model(name: str, position_embedding_type: str = "rope", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = tiny_config(name, position_embedding_type, **overrides)
+    return VARIANTS[name].causal_lm_class(config).eval()
+
+
+def left_padded_batch(lengths=(11, 7, 4), seed: int = 1):
+    """Random rows of the given lengths, left-padded with token 0: `(input_ids, attention_mask, rows)`."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    rows = [torch.randint(3, VOCAB_SIZE, (n,), generator=generator) for n in lengths]
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = row
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask, rows
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids as `generate` derives them: real tokens count from 0, pads sit at 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_configure(config):
+    # The suite runs offline: nothing may reach the Hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    assert hf_attn_zoo.VARIANTS
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,85 @@
+"""Naive reference implementations, written for clarity rather than speed, that the fast paths are tested against.
+
+They reuse a model's parameters (projections, norms, MLP) but recompute attention and positions from the papers'
+formulas: explicit loops over batch rows and heads, dense boolean masks, and positions counted over real tokens.
+"""
+
+import math
+
+import torch
+
+
+def true_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token among the real (unpadded) tokens of its row; pads get 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def paper_alibi_slopes(num_heads: int) -> list[float]:
+    """Press et al. 2022: slopes 2^(-8i/n) for i = 1..n when n is a power of two; otherwise the slopes of the
+    closest power of two below n, then every other slope of the next power of two."""
+    if num_heads & (num_heads - 1) == 0:
+        return [2.0 ** (-8.0 * i / num_heads) for i in range(1, num_heads + 1)]
+    closest = 2 ** int(math.log2(num_heads))
+    extra = [2.0 ** (-8.0 * i / (2 * closest)) for i in range(1, 2 * closest + 1)][0::2]
+    return paper_alibi_slopes(closest) + extra[: num_heads - closest]
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE on `(B, T, heads, d)`: channel i and i + d/2 form a pair rotated by position * theta^(-2i/d)."""
+    d = x.shape[-1]
+    frequencies = theta ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    angles = positions[..., None].double() * frequencies  # (B, T, d/2)
+    cos, sin = angles.cos()[:, :, None, :].to(x.dtype), angles.sin()[:, :, None, :].to(x.dtype)
+    first, second = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """Vaswani et al. 2017: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i + 1) = cos(p / 10000^(2i/d))."""
+    table = torch.zeros(*positions.shape, dim, dtype=torch.float64)
+    for i in range(dim // 2):
+        angle = positions.double() / 10000 ** (2 * i / dim)
+        table[..., 2 * i] = angle.sin()
+        table[..., 2 * i + 1] = angle.cos()
+    return table.float()
+
+
+def softmax_attention(attn, hidden: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, config):
+    """Grouped-query softmax attention, one (row, head) at a time: query head h reads key/value head h // (H / G)."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = attn.q_proj(hidden).view(batch, length, heads, head_dim)
+    k = attn.k_proj(hidden).view(batch, length, kv_heads, head_dim)
+    v = attn.v_proj(hidden).view(batch, length, kv_heads, head_dim)
+    if config.position_embedding_type == "rope":
+        theta = config.rope_parameters["rope_theta"]
+        q, k = rotate(q, positions, theta), rotate(k, positions, theta)
+    slopes = paper_alibi_slopes(heads)
+    out = torch.zeros(batch, length, heads, head_dim)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    for b in range(batch):
+        allowed = causal & attention_mask[b].bool()[None, :]
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = q[b, :, h] @ k[b, :, g].T / math.sqrt(head_dim)
+            if config.position_embedding_type == "alibi":
+                distance = positions[b][:, None] - positions[b][None, :]
+                scores = scores - slopes[h] * distance
+            probabilities = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
+            out[b, :, h] = probabilities @ v[b, :, g]
+    return attn.o_proj(out.reshape(batch, length, heads * head_dim))
+
+
+def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):
+    """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
+    config = model.config
+    positions = true_positions(attention_mask)
+    x = model.model.embed_tokens(input_ids)
+    if config.position_embedding_type == "learned":
+        x = x + model.model.embed_positions(positions)
+    elif config.position_embedding_type == "sinusoidal":
+        x = x + sinusoid(positions, config.hidden_size)
+    for layer in model.model.layers:
+        x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))

@@ -1,0 +1,264 @@
+"""The conformance suite (DESIGN §5): every registered variant with every position type it supports, CPU, fp32."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from hf_attn_zoo.models import POSITION_EMBEDDING_TYPES, VARIANTS
+
+import references
+from conftest import CASES, CONFORMANCE, VOCAB_SIZE, left_padded_batch, positions_from_mask, tiny_config, tiny_model
+
+ATOL = 1e-5
+
+
+def test_every_variant_is_covered():
+    """A registered variant without a conformance entry would silently skip the whole suite."""
+    assert set(VARIANTS) <= set(CONFORMANCE), f"add {sorted(set(VARIANTS) - set(CONFORMANCE))} to CONFORMANCE"
+    for name, variant in VARIANTS.items():
+        assert variant.position_types, f"{name} supports no position type"
+        assert set(variant.position_types) <= set(POSITION_EMBEDDING_TYPES)
+
+
+# 1. forward / backward -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_forward_backward(name, position):
+    model = tiny_model(name, position).train()
+    input_ids, attention_mask, _ = left_padded_batch()
+    out = model(input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(attention_mask == 0, -100))
+    assert out.logits.shape == (*input_ids.shape, VOCAB_SIZE)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    for param_name, param in model.named_parameters():
+        assert param.grad is not None, f"{param_name} received no gradient"
+        assert torch.isfinite(param.grad).all(), f"{param_name} has a non-finite gradient"
+        assert param.grad.abs().sum() > 0, f"{param_name} received an all-zero gradient"
+
+
+# 2. causality ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_causality(name, position):
+    model = tiny_model(name, position)
+    input_ids = torch.randint(3, VOCAB_SIZE, (2, 16))
+    changed = input_ids.clone()
+    t = 9
+    changed[:, t] = (changed[:, t] + 1) % VOCAB_SIZE
+    with torch.no_grad():
+        before, after = model(input_ids).logits, model(changed).logits
+    assert torch.equal(before[:, :t], after[:, :t]), "a later token changed an earlier logit"
+    assert not torch.allclose(before[:, t:], after[:, t:])
+
+
+# 3. cached decoding ----------------------------------------------------------------------------------------------
+def reference_logits(model, rows):
+    """Each row alone, without cache or padding."""
+    with torch.no_grad():
+        return [model(row[None], use_cache=False).logits[0] for row in rows]
+
+
+@pytest.mark.parametrize("name, position", CASES)
+def test_chunked_prefill_then_decode_matches_uncached(name, position):
+    model = tiny_model(name, position)
+    input_ids, attention_mask, rows = left_padded_batch(lengths=(13, 9, 6))
+    position_ids = positions_from_mask(attention_mask)
+    expected = reference_logits(model, rows)
+
+    cache, pieces = None, []
+    # prefill in two chunks of 4 and 3 tokens, then one token at a time
+    bounds = [0, 4, 7] + list(range(8, input_ids.shape[1] + 1))
+    with torch.no_grad():
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            out = model(
+                input_ids[:, start:end],
+                attention_mask=attention_mask[:, :end],
+                position_ids=position_ids[:, start:end],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            pieces.append(out.logits)
+    cached = torch.cat(pieces, dim=1)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(cached[i, -len(row) :], expected[i], atol=ATOL, rtol=0)
+
+
+def argmax_loop(model, input_ids, attention_mask, steps):
+    """Greedy decoding by re-running the whole (padded) sequence without a cache at every step."""
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(
+                input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions_from_mask(attention_mask),
+                use_cache=False,
+            ).logits
+        next_token = logits[:, -1].argmax(-1, keepdim=True)
+        input_ids = torch.cat([input_ids, next_token], dim=1)
+        attention_mask = torch.cat([attention_mask, torch.ones_like(next_token)], dim=1)
+    return input_ids
+
+
+GREEDY = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.mark.parametrize("name, position", CASES)
+def test_greedy_generate_matches_argmax_loop(name, position):
+    model = tiny_model(name, position)
+    input_ids, attention_mask, _ = left_padded_batch()
+    generated = model.generate(input_ids, attention_mask=attention_mask, generation_config=GREEDY)
+    assert torch.equal(generated, argmax_loop(model, input_ids, attention_mask, GREEDY.max_new_tokens))
+
+
+# 4. beam search --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_beam_search_with_cache_matches_without(name, position):
+    model = tiny_model(name, position)
+    input_ids, attention_mask, _ = left_padded_batch()
+    beams = GenerationConfig(max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with_cache = model.generate(input_ids, attention_mask=attention_mask, generation_config=beams, use_cache=True)
+    without = model.generate(input_ids, attention_mask=attention_mask, generation_config=beams, use_cache=False)
+    assert torch.equal(with_cache, without)
+
+
+@pytest.mark.parametrize("name, position", CASES)
+def test_sampling_top_k_top_p(name, position):
+    model = tiny_model(name, position)
+    input_ids, attention_mask, _ = left_padded_batch()
+    sample = dict(do_sample=True, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(3)
+    first = model.generate(input_ids, attention_mask=attention_mask, top_k=5, top_p=0.9, **sample)
+    torch.manual_seed(3)
+    second = model.generate(input_ids, attention_mask=attention_mask, top_k=5, top_p=0.9, **sample)
+    assert torch.equal(first, second), "sampling with the same seed must repeat"
+    # top_k=1 leaves a single candidate: sampling is greedy decoding
+    greedy = model.generate(input_ids, attention_mask=attention_mask, generation_config=GREEDY)
+    top1 = model.generate(input_ids, attention_mask=attention_mask, top_k=1, **{**sample, "max_new_tokens": 8})
+    assert torch.equal(top1, greedy)
+
+
+# 5. left padding -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_left_padded_rows_match_rows_alone(name, position):
+    model = tiny_model(name, position)
+    input_ids, attention_mask, rows = left_padded_batch()
+    with torch.no_grad():
+        batched = model(input_ids, attention_mask=attention_mask).logits  # positions derived from the mask
+    for i, (row, alone) in enumerate(zip(rows, reference_logits(model, rows))):
+        torch.testing.assert_close(batched[i, -len(row) :], alone, atol=ATOL, rtol=0)
+
+
+# 6. save / reload ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_save_reload_identical(name, position, tmp_path):
+    model = tiny_model(name, position)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is type(model)
+    input_ids, attention_mask, _ = left_padded_batch()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids).logits, reloaded(input_ids).logits)
+        assert torch.equal(
+            model(input_ids, attention_mask=attention_mask).logits,
+            reloaded(input_ids, attention_mask=attention_mask).logits,
+        )
+
+
+@pytest.mark.parametrize("name", [name for name in VARIANTS if name in CONFORMANCE])
+def test_checkpoint_of_wrong_shape_fails_clearly(name, tmp_path):
+    tiny_model(name).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.vocab_size = VOCAB_SIZE + 3
+    with pytest.raises(ValueError, match=r"(?s)embed_tokens.*vocab_size.*config.json"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, config=config)
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, config=config)
+
+
+# 7. invalid configs ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [name for name in VARIANTS if name in CONFORMANCE])
+def test_invalid_configs_raise_naming_the_field(name):
+    variant = VARIANTS[name]
+    unsupported = [p for p in POSITION_EMBEDDING_TYPES if p not in variant.position_types] + ["cosine"]
+    cases = (
+        CONFORMANCE[name]["invalid"]
+        + [(dict(position_embedding_type=p), "position_embedding_type") for p in unsupported]
+        + [
+            (
+                dict(hidden_size=30, num_attention_heads=4, num_key_value_heads=1 if name != "mha" else 4),
+                "hidden_size",
+            ),
+            (dict(num_hidden_layers=0), "num_hidden_layers"),
+            (dict(vocab_size=-5), "vocab_size"),
+            (dict(norm_type="batchnorm"), "norm_type"),
+            (dict(mlp_type="moe"), "mlp_type"),
+            (dict(hidden_act="swish2"), "hidden_act"),
+            (dict(attention_dropout=1.5), "attention_dropout"),
+            (dict(hidden_dropout=-0.1), "hidden_dropout"),
+        ]
+    )
+    for kwargs, field in cases:
+        if name == "single_head" and "num_attention_heads" in kwargs and field != "num_attention_heads":
+            continue
+        with pytest.raises(ValueError, match=field):
+            variant.config(**kwargs)
+
+
+def test_config_mutated_after_construction_is_checked_by_the_model():
+    config = tiny_config("gqa")
+    config.num_key_value_heads = 3
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        AutoModelForCausalLM.from_config(config)
+
+
+# 8. backends and gradient checkpointing ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_eager_and_sdpa_agree(name, position):
+    if not VARIANTS[name].causal_lm_class._supports_sdpa:
+        pytest.skip(f"{name} has no sdpa path")
+    config = tiny_config(name, position)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(eager.state_dict())
+    assert eager.config._attn_implementation == "eager" and sdpa.config._attn_implementation == "sdpa"
+    input_ids, attention_mask, rows = left_padded_batch()
+    with torch.no_grad():
+        a = eager(input_ids, attention_mask=attention_mask).logits
+        b = sdpa(input_ids, attention_mask=attention_mask).logits
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(a[i, -len(row) :], b[i, -len(row) :], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name, position", CASES)
+def test_gradient_checkpointing_same_loss_and_gradients(name, position):
+    input_ids, attention_mask, _ = left_padded_batch()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    results = []
+    for checkpointing in (False, True):
+        model = tiny_model(name, position).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_a, loss_b, atol=0, rtol=0)
+    for param_name in grads_a:
+        torch.testing.assert_close(grads_a[param_name], grads_b[param_name], atol=1e-6, rtol=0)
+
+
+# 9. exactness against the naive reference -------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_matches_naive_reference(name, position):
+    model = tiny_model(name, position)
+    input_ids, attention_mask, rows = left_padded_batch()
+    with torch.no_grad():
+        expected = references.causal_lm_logits(model, input_ids, attention_mask, CONFORMANCE[name]["reference"])
+        actual = model(input_ids, attention_mask=attention_mask).logits
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
