@@ -27,8 +27,8 @@ def test_every_variant_is_covered():
 def test_forward_backward(name, position):
     model = tiny_model(name, position).train()
     input_ids, attention_mask, _ = left_padded_batch()
+    assert model(input_ids, attention_mask=attention_mask).logits.shape == (*input_ids.shape, VOCAB_SIZE)
     out = model(input_ids, attention_mask=attention_mask, labels=input_ids.masked_fill(attention_mask == 0, -100))
-    assert out.logits.shape == (*input_ids.shape, VOCAB_SIZE)
     assert torch.isfinite(out.loss)
     out.loss.backward()
     for param_name, param in model.named_parameters():

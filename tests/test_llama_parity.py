@@ -13,6 +13,7 @@ ATOL = 1e-5
 
 
 def tiny_llama(num_key_value_heads=2, tie_word_embeddings=False, attn_implementation="sdpa", **overrides):
+    overrides.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 500000.0})
     config = LlamaConfig(
         vocab_size=97,
         hidden_size=64,
@@ -21,7 +22,6 @@ def tiny_llama(num_key_value_heads=2, tie_word_embeddings=False, attn_implementa
         num_attention_heads=4,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=128,
-        rope_theta=500000.0,
         tie_word_embeddings=tie_word_embeddings,
         pad_token_id=0,
         bos_token_id=1,
@@ -121,3 +121,26 @@ def test_llama_checkpoint_path(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(zoo(input_ids).logits, llama(input_ids).logits, atol=ATOL, rtol=0)
     assert zoo.config.model_type == "zoo_gqa"
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "rope_theta": 500000.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ],
+    ids=["linear", "llama3"],
+)
+def test_scaled_rope_matches_llama(rope_parameters):
+    llama = tiny_llama(2, rope_parameters=rope_parameters)
+    zoo = from_llama(llama)
+    input_ids = torch.randint(3, 97, (2, 100))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo(input_ids).logits, llama(input_ids).logits, atol=ATOL, rtol=0)

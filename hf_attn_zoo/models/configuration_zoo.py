@@ -54,6 +54,8 @@ class ZooConfig(PreTrainedConfig):
         attention_dropout (`float`): dropout on the attention probabilities.
         hidden_dropout (`float`): dropout on the embeddings and on each residual branch.
         tie_word_embeddings (`bool`): share the input embedding with the output head.
+        fuse_linear_cross_entropy (`bool`): in training with labels, compute the head and the loss together in
+            chunks, never holding the `(tokens, vocab)` logits (faster, far less memory; `logits` is then None).
     """
 
     model_type = "zoo"
@@ -90,6 +92,7 @@ class ZooConfig(PreTrainedConfig):
     mlp_bias: bool = False
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    fuse_linear_cross_entropy: bool = True
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and _is_positive_int(self.hidden_size):

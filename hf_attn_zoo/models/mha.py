@@ -25,7 +25,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .configuration_zoo import ZooConfig
-from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel, ZooSoftmaxKernels, apply_rotary_pos_emb
+from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel, ZooSoftmaxKernels, apply_rotary
 
 
 class ZooMultiHeadAttention(ZooAttention):
@@ -62,8 +62,7 @@ class ZooMultiHeadAttention(ZooAttention):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         if position_embeddings is not None:
-            cos, sin = position_embeddings
-            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+            query_states, key_states = apply_rotary(query_states, key_states, *position_embeddings)
 
         if past_key_values is not None:
             # (B, G, S, d_h): everything cached so far, this step included

@@ -1,0 +1,1 @@
+"""Evaluation: speed and memory benchmarks (and, as they land, the perplexity harness and plots)."""

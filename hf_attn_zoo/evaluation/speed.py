@@ -1,0 +1,173 @@
+"""Speed of a zoo variant against transformers' `LlamaForCausalLM` at the same size, in the same process.
+
+Both models get the same weights (the zoo model is converted from the Llama one when the variant is in the MHA
+family) and the same attention backend. On a shared machine interference only ever adds time, so each sample is the
+best of a few runs (timeit's rule); samples alternate between the two models (A B B A ...) so that drift falls on
+both, and the ratio zoo / Llama is the median over repeats of the ratio of each back-to-back pair. Above 1.0 the zoo
+model is faster.
+"""
+
+import copy
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..convert.llama import MHA_FAMILY, from_llama
+
+
+@dataclass
+class SpeedSetup:
+    """What is measured. The defaults are the ~8M-parameter config the foundation issue quotes (6 x 256, seq 256)."""
+
+    variant: str = "gqa"
+    vocab_size: int = 16384
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    train_batch_size: int = 8
+    train_seq_len: int = 256
+    train_steps: int = 4  # timed steps per sample; the fastest counts
+    prompt_len: int = 128
+    new_tokens: int = 128
+    decode_batch_sizes: tuple[int, ...] = (1, 8)
+    decode_runs: int = 3  # generate() calls per sample; the fastest counts
+    repeats: int = 5
+    attn_implementation: str = "sdpa"
+    threads: int | None = None
+
+
+@dataclass
+class SpeedReport:
+    setup: SpeedSetup
+    parameters: int
+    # metric name -> {"llama": [tokens/s per repeat], "zoo": [...]}
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    machine: str = field(default_factory=lambda: f"{platform.machine()}, torch {torch.__version__}")
+
+    def median(self, metric: str, model: str) -> float:
+        return statistics.median(self.samples[metric][model])
+
+    def ratio(self, metric: str) -> float:
+        """Median of the per-repeat ratios: each pair ran back to back, so slow drift of the machine cancels."""
+        pairs = zip(self.samples[metric]["zoo"], self.samples[metric]["llama"])
+        return statistics.median(zoo / llama for zoo, llama in pairs)
+
+    def table(self) -> str:
+        s = self.setup
+        lines = [
+            f"`{s.variant}` vs `LlamaForCausalLM`: {self.parameters / 1e6:.1f}M parameters "
+            f"({s.num_hidden_layers} layers x {s.hidden_size}, {s.num_attention_heads} heads, "
+            f"{s.num_key_value_heads} KV heads), {s.attn_implementation}, {torch.get_num_threads()} threads, "
+            f"best-of-run samples, medians of {s.repeats} alternating repeats ({self.machine})",
+            "",
+            "| metric | Llama tokens/s | zoo tokens/s | zoo / Llama |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for metric in self.samples:
+            lines.append(
+                f"| {metric} | {self.median(metric, 'llama'):,.0f} | {self.median(metric, 'zoo'):,.0f} "
+                f"| {self.ratio(metric):.3f} |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        ratios = {metric: self.ratio(metric) for metric in self.samples}
+        return json.dumps({**asdict(self), "ratios": ratios}, indent=2)
+
+
+def training_tokens_per_second(model, batch_size: int, seq_len: int, steps: int, vocab_size: int) -> float:
+    """Forward, backward and an AdamW step on random tokens (the data does not change the arithmetic); the fastest
+    of `steps` timed steps."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # allocate optimizer state outside the timing
+    return batch_size * seq_len / _fastest(step, steps)
+
+
+@torch.no_grad()
+def decode_tokens_per_second(
+    model, batch_size: int, prompt_len: int, new_tokens: int, vocab_size: int, runs: int = 3
+) -> float:
+    """Greedy `generate()` of exactly `new_tokens` tokens per row, prefill included as a user would see it; the
+    fastest of `runs` calls."""
+    model.eval()
+    prompt = torch.randint(0, vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return batch_size * new_tokens / _fastest(lambda: model.generate(prompt, **kwargs), runs)
+
+
+def _fastest(fn: Callable[[], object], runs: int) -> float:
+    """Seconds of the fastest of `runs` calls."""
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def build_pair(setup: SpeedSetup):
+    """A Llama model and the zoo model with the same config and, for the MHA family, the same weights."""
+    llama_config = LlamaConfig(
+        vocab_size=setup.vocab_size,
+        hidden_size=setup.hidden_size,
+        intermediate_size=setup.intermediate_size,
+        num_hidden_layers=setup.num_hidden_layers,
+        num_attention_heads=setup.num_attention_heads,
+        num_key_value_heads=setup.num_key_value_heads,
+        max_position_embeddings=max(setup.train_seq_len, setup.prompt_len + setup.new_tokens),
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        attn_implementation=setup.attn_implementation,
+    )
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(llama_config)
+    if setup.variant not in MHA_FAMILY:
+        raise ValueError(f"variant={setup.variant!r}: the Llama comparison covers the MHA family {MHA_FAMILY}.")
+    return llama, from_llama(llama, variant=setup.variant)
+
+
+def compare_with_llama(setup: SpeedSetup, log: Callable[[str], None] = print) -> SpeedReport:
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    llama, zoo = build_pair(setup)
+    report = SpeedReport(setup=copy.deepcopy(setup), parameters=sum(p.numel() for p in zoo.parameters()))
+    metrics = {
+        f"training (batch {setup.train_batch_size} x {setup.train_seq_len})": lambda m: training_tokens_per_second(
+            m, setup.train_batch_size, setup.train_seq_len, setup.train_steps, setup.vocab_size
+        )
+    }
+    for batch_size in setup.decode_batch_sizes:
+        metrics[f"generate decode (batch {batch_size}, prompt {setup.prompt_len}, {setup.new_tokens} new)"] = (
+            lambda m, b=batch_size: decode_tokens_per_second(
+                m, b, setup.prompt_len, setup.new_tokens, setup.vocab_size, setup.decode_runs
+            )
+        )
+    report.samples = {metric: {"llama": [], "zoo": []} for metric in metrics}
+    for measure in metrics.values():  # warm-up: first calls pay for allocations and lazy initialisation
+        measure(llama), measure(zoo)
+    for repeat in range(setup.repeats):
+        order = [("llama", llama), ("zoo", zoo)]
+        if repeat % 2:
+            order.reverse()
+        for metric, measure in metrics.items():
+            for name, model in order:
+                report.samples[metric][name].append(measure(model))
+        ratios = (report.samples[m]["zoo"][-1] / report.samples[m]["llama"][-1] for m in metrics)
+        log(f"repeat {repeat + 1}/{setup.repeats}: zoo / Llama " + ", ".join(f"{r:.3f}" for r in ratios))
+    return report

@@ -1,0 +1,72 @@
+"""The fused head + loss used in training equals transformers' `ForCausalLMLoss` on materialised logits."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from hf_attn_zoo.models.modeling_zoo import causal_lm_loss_fused
+
+from conftest import left_padded_batch, tiny_model
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5, 64])
+@pytest.mark.parametrize("num_items_in_batch", [None, 17])
+def test_fused_loss_and_gradients_equal_the_plain_path(chunk_size, num_items_in_batch):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, dtype=torch.float64)
+    head = torch.nn.Linear(16, 97, bias=False).double()
+    labels = torch.randint(0, 97, (3, 11))
+    labels[0, :4] = -100  # padding, ignored
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # token t predicts token t + 1
+    divisor = (targets != -100).sum() if num_items_in_batch is None else num_items_in_batch
+    results = []
+    for fused in (True, False):
+        h = hidden.clone().requires_grad_()
+        head.zero_grad()
+        if fused:
+            loss = causal_lm_loss_fused(h, head, labels, num_items_in_batch, chunk_size=chunk_size)
+        else:  # the definition, in float64
+            loss = F.cross_entropy(head(h).flatten(0, 1), targets.flatten(), reduction="sum") / divisor
+        (loss * 3).backward()  # a non-unit upstream gradient must scale both gradients
+        results.append((loss.detach(), h.grad, head.weight.grad.clone()))
+    for fused, plain in zip(*results):
+        torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_matches_transformers_loss():
+    torch.manual_seed(0)
+    hidden, head = torch.randn(4, 9, 8), torch.nn.Linear(8, 50, bias=False)
+    labels = torch.randint(0, 50, (4, 9))
+    labels[1, :3] = -100
+    for num_items in (None, 20):
+        fused = causal_lm_loss_fused(hidden, head, labels, num_items, chunk_size=7)
+        torch.testing.assert_close(fused, ForCausalLMLoss(head(hidden), labels, 50, num_items_in_batch=num_items))
+
+
+def test_shift_labels_are_taken_as_given():
+    torch.manual_seed(0)
+    hidden, head = torch.randn(2, 5, 8), torch.nn.Linear(8, 13, bias=False)
+    shift_labels = torch.randint(0, 13, (2, 5))
+    fused = causal_lm_loss_fused(hidden, head, labels=None, shift_labels=shift_labels)
+    plain = ForCausalLMLoss(head(hidden), None, 13, shift_labels=shift_labels)
+    torch.testing.assert_close(fused, plain)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_training_forward_uses_the_fused_path_with_the_same_loss(tie):
+    input_ids, attention_mask, _ = left_padded_batch()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    fused, plain = (tiny_model("gqa", tie_word_embeddings=tie).train() for _ in range(2))
+    plain.config.fuse_linear_cross_entropy = False
+    out_fused = fused(input_ids, attention_mask=attention_mask, labels=labels)
+    out_plain = plain(input_ids, attention_mask=attention_mask, labels=labels)
+    assert out_fused.logits is None and out_plain.logits is not None
+    torch.testing.assert_close(out_fused.loss, out_plain.loss, rtol=1e-6, atol=1e-6)
+    out_fused.loss.backward(), out_plain.loss.backward()
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():  # evaluation keeps the logits
+        assert fused(input_ids, labels=labels).logits is not None
+    fused.eval()
+    assert fused(input_ids, labels=labels).logits is not None
