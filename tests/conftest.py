@@ -13,27 +13,32 @@ import references
 VOCAB_SIZE = 97
 
 # Every registered variant needs an entry: its tiny config, the configs it must refuse (kwargs, field named in the
-# error) and its naive reference attention. `test_every_variant_is_covered` fails when a variant has none.
+# error), its naive reference attention and whether it returns attention weights. `test_every_variant_is_covered`
+# fails when a variant has none.
 CONFORMANCE = {
     "mha": {
         "config": dict(num_attention_heads=4),
         "invalid": [(dict(num_attention_heads=4, num_key_value_heads=2), "num_key_value_heads")],
         "reference": references.softmax_attention,
+        "attentions": True,
     },
     "gqa": {
         "config": dict(num_attention_heads=4, num_key_value_heads=2),
         "invalid": [(dict(num_attention_heads=6, num_key_value_heads=4, hidden_size=48), "num_key_value_heads")],
         "reference": references.softmax_attention,
+        "attentions": True,
     },
     "mqa": {
         "config": dict(num_attention_heads=4),
         "invalid": [(dict(num_attention_heads=4, num_key_value_heads=2), "num_key_value_heads")],
         "reference": references.softmax_attention,
+        "attentions": True,
     },
     "single_head": {
         "config": dict(),
         "invalid": [(dict(num_attention_heads=2), "num_attention_heads")],
         "reference": references.softmax_attention,
+        "attentions": True,
     },
 }
 

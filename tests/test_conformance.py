@@ -242,7 +242,8 @@ def test_gradient_checkpointing_same_loss_and_gradients(name, position):
     for checkpointing in (False, True):
         model = tiny_model(name, position).train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint
+            assert all(layer.gradient_checkpointing for layer in model.model.layers)
         loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -262,3 +263,28 @@ def test_matches_naive_reference(name, position):
         actual = model(input_ids, attention_mask=attention_mask).logits
     for i, row in enumerate(rows):
         torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
+
+
+# outputs ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, position", CASES)
+def test_optional_outputs_and_tuples(name, position):
+    config = tiny_config(name, position)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    input_ids, attention_mask, rows = left_padded_batch()
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, output_attentions=True, output_hidden_states=True)
+        as_tuple = model(input_ids, attention_mask=attention_mask, return_dict=False)
+    assert len(out.hidden_states) == config.num_hidden_layers + 1
+    assert torch.equal(as_tuple[0], out.logits)
+    if not CONFORMANCE[name]["attentions"]:
+        assert out.attentions is None or all(a is None for a in out.attentions)
+        return
+    assert len(out.attentions) == config.num_hidden_layers
+    batch, length = input_ids.shape
+    for weights in out.attentions:
+        assert weights.shape == (batch, config.num_attention_heads, length, length)
+        for i, row in enumerate(rows):
+            real = weights[i, :, -len(row) :, -len(row) :]
+            torch.testing.assert_close(real.sum(-1), torch.ones_like(real.sum(-1)))
+            assert torch.all(real.triu(1) == 0), "attention to the future"
+            assert torch.all(weights[i, :, -len(row) :, : length - len(row)] == 0), "attention to padding"

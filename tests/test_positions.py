@@ -52,3 +52,10 @@ def test_learned_positions_beyond_the_table_raise():
     model = tiny_model("gqa", "learned", max_position_embeddings=16)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.randint(3, 90, (1, 17)))
+
+
+def test_alibi_refuses_kernels_without_an_additive_bias():
+    model = tiny_model("gqa", "alibi")
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa' or 'eager'"):
+        model(torch.randint(3, 90, (1, 8)))

@@ -25,23 +25,23 @@ from ..convert.llama import MHA_FAMILY, from_llama
 class SpeedSetup:
     """What is measured. The defaults are the ~8M-parameter config the foundation issue quotes (6 x 256, seq 256)."""
 
-    variant: str = "gqa"
-    vocab_size: int = 16384
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 2
-    train_batch_size: int = 8
-    train_seq_len: int = 256
-    train_steps: int = 4  # timed steps per sample; the fastest counts
-    prompt_len: int = 128
-    new_tokens: int = 128
-    decode_batch_sizes: tuple[int, ...] = (1, 8)
-    decode_runs: int = 3  # generate() calls per sample; the fastest counts
-    repeats: int = 5
-    attn_implementation: str = "sdpa"
-    threads: int | None = None
+    variant: str = field(default="gqa", metadata={"help": "registered variant to compare with Llama"})
+    vocab_size: int = field(default=16384, metadata={"help": "vocabulary of both models"})
+    hidden_size: int = field(default=256, metadata={"help": "model width"})
+    intermediate_size: int = field(default=688, metadata={"help": "MLP width"})
+    num_hidden_layers: int = field(default=6, metadata={"help": "layers"})
+    num_attention_heads: int = field(default=8, metadata={"help": "query heads"})
+    num_key_value_heads: int = field(default=2, metadata={"help": "key/value heads"})
+    train_batch_size: int = field(default=8, metadata={"help": "training batch size"})
+    train_seq_len: int = field(default=256, metadata={"help": "training sequence length"})
+    train_steps: int = field(default=4, metadata={"help": "timed training steps per sample; the fastest counts"})
+    prompt_len: int = field(default=128, metadata={"help": "generate(): prompt tokens"})
+    new_tokens: int = field(default=128, metadata={"help": "generate(): new tokens per row"})
+    decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"help": "generate() batches"})
+    decode_runs: int = field(default=3, metadata={"help": "generate() calls per sample; the fastest counts"})
+    repeats: int = field(default=5, metadata={"help": "alternating samples per model and metric"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "attention backend of both models"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
 
 
 @dataclass

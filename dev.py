@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Set up whatever is missing, then run the tests or the main job. Needs nothing but Python >= 3.10.
+
+    python3 dev.py test [pytest arguments]    the test suite (what CI runs, through .ci/run)
+    python3 dev.py demo [demo options]        the main job (`hf-attn-zoo demo --help` lists the options)
+
+Set-up: a virtual environment in .venv with the package installed in editable mode with its [dev] extra, torch pinned
+by constraints.txt. It is redone only when pyproject.toml or constraints.txt change.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
+STAMP = VENV / ".hf-attn-zoo-installed"
+
+
+def requirements_fingerprint() -> str:
+    digest = hashlib.sha256()
+    for name in ("pyproject.toml", "constraints.txt"):
+        digest.update((ROOT / name).read_bytes())
+    return digest.hexdigest()
+
+
+def set_up() -> None:
+    if not PYTHON.exists():
+        print(f"creating {VENV}", flush=True)
+        venv.create(VENV, with_pip=True)
+    fingerprint = requirements_fingerprint()
+    if STAMP.exists() and STAMP.read_text() == fingerprint:
+        return
+    print("installing hf-attn-zoo[dev] with torch pinned by constraints.txt", flush=True)
+    pip = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "-c", str(ROOT / "constraints.txt"), "-e", f"{ROOT}[dev]"], check=True)
+    STAMP.write_text(fingerprint)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("test", "demo"):
+        print(__doc__)
+        return 2
+    set_up()
+    command, rest = argv[0], argv[1:]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if command == "test":
+        return subprocess.call([str(PYTHON), "-m", "pytest", *rest], cwd=ROOT, env=env)
+    return subprocess.call([str(BIN / "hf-attn-zoo"), "demo", *rest], cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,41 @@
+"""The command line: `list`, `bench llama` and the main job `demo`."""
+
+import json
+import math
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_attn_zoo.cli import main
+from hf_attn_zoo.models import VARIANTS
+
+
+def test_list_prints_every_variant(capsys):
+    assert main(["list"]) == 0
+    table = capsys.readouterr().out
+    for name, variant in VARIANTS.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` "))
+        assert variant.model_type in row and variant.cache_per_token in row and "sdpa" in row
+
+
+def test_bench_llama_writes_ratios(tmp_path, capsys):
+    args = ["bench", "llama", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64"]
+    args += ["--vocab_size", "64", "--train_seq_len", "16", "--train_steps", "1", "--prompt_len", "4"]
+    args += ["--new_tokens", "3", "--decode_batch_sizes", "1", "2", "--decode_runs", "1", "--repeats", "2"]
+    assert main([*args, "--output_dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "speed_gqa_vs_llama.json").read_text())
+    assert len(result["ratios"]) == 3 and all(ratio > 0 for ratio in result["ratios"].values())
+    assert all(len(sample["llama"]) == len(sample["zoo"]) == 2 for sample in result["samples"].values())
+    assert "| zoo / Llama |" in (tmp_path / "speed_gqa_vs_llama.md").read_text()
+
+
+def test_demo_generates_scores_and_saves(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--output_dir", str(out), "--max_new_tokens", "5", "--score_chars", "600"]) == 0
+    printed = capsys.readouterr().out
+    perplexity = float(printed.split("perplexity on ")[1].split(": ")[1].split()[0])
+    assert math.isfinite(perplexity) and 1 < perplexity < 10 * 258  # untrained: about the vocabulary size
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("def f():", return_tensors="pt").input_ids
+    assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+    assert torch.equal(ids[0], torch.tensor(list(b"def f():")))  # byte-level: id = byte

@@ -1,0 +1,66 @@
+"""The transformers machinery users reach for first: pipelines, the Trainer."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, pipeline
+
+from hf_attn_zoo.data import byte_level_tokenizer
+from hf_attn_zoo.models import VARIANTS
+
+from conftest import CONFORMANCE
+
+
+def byte_model(name: str):
+    tokenizer = byte_level_tokenizer()
+    config = VARIANTS[name].config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        **CONFORMANCE[name]["config"],
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    return VARIANTS[name].causal_lm_class(config), tokenizer
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_text_generation_pipeline_from_a_checkpoint(name, tmp_path):
+    model, tokenizer = byte_model(name)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    generator = pipeline("text-generation", model=str(tmp_path))
+    out = generator(["hello", "a longer prompt"], max_new_tokens=6, do_sample=False)
+    for prompt, result in zip(["hello", "a longer prompt"], out):
+        assert result[0]["generated_text"].startswith(prompt)
+
+
+def test_trainer_lowers_the_loss(tmp_path):
+    model, tokenizer = byte_model("gqa")
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    ids = tokenizer(text).input_ids
+    blocks = [ids[i : i + 64] for i in range(0, len(ids) - 64, 64)]
+    dataset = Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=30,
+        learning_rate=3e-3,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        gradient_accumulation_steps=2,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert math.log(len(tokenizer)) - 0.5 < losses[0] and losses[-1] < losses[0] - 1.0, losses
+    trainer.save_model(tmp_path / "final")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert reloaded.config.auto_map["AutoModelForCausalLM"] == "mha.ZooGQAForCausalLM"
