@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 END_OF_TEXT = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -32,6 +32,16 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT, pad_token=PAD, padding_side="left"
     )
+
+
+def tokenizer_fields(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | None]:
+    """The config fields a model takes from its tokenizer: vocabulary size and special token ids."""
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
 def stdlib_corpus_files() -> list[Path]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .data import byte_level_tokenizer, stdlib_corpus_files
+from .data import byte_level_tokenizer, stdlib_corpus_files, tokenizer_fields
 from .models import get_variant
 
 
@@ -42,17 +42,13 @@ def run_demo(options: DemoOptions) -> dict:
     torch.manual_seed(options.seed)
     tokenizer = byte_level_tokenizer()
     variant = get_variant(options.variant)
+    # head counts stay at the variant's defaults (8 query heads; 2 KV heads for gqa, 1 for mqa, 1 head for single_head)
     config = variant.config(
-        vocab_size=len(tokenizer),
+        **tokenizer_fields(tokenizer),
         hidden_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        **({} if variant.name in ("mha", "mqa", "single_head") else {"num_key_value_heads": 2}),
         max_position_embeddings=1024,
         position_embedding_type=options.position_embedding_type,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     model = variant.causal_lm_class(config).eval()
     print(

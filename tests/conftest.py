@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 
-import hf_attn_zoo
 from hf_attn_zoo.models import VARIANTS
 
 import references
@@ -103,7 +102,6 @@ def pytest_configure(config):
     # The suite runs offline: nothing may reach the Hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    assert hf_attn_zoo.VARIANTS
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,9 +30,11 @@ def test_bench_llama_writes_ratios(tmp_path, capsys):
     assert "| zoo / Llama |" in (tmp_path / "speed_gqa_vs_llama.md").read_text()
 
 
-def test_demo_generates_scores_and_saves(tmp_path, capsys):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_demo_generates_scores_and_saves(variant, tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["demo", "--output_dir", str(out), "--max_new_tokens", "5", "--score_chars", "600"]) == 0
+    args = ["--variant", variant, "--output_dir", str(out), "--max_new_tokens", "5", "--score_chars", "600"]
+    assert main(["demo", *args]) == 0
     printed = capsys.readouterr().out
     perplexity = float(printed.split("perplexity on ")[1].split(": ")[1].split()[0])
     assert math.isfinite(perplexity) and 1 < perplexity < 10 * 258  # untrained: about the vocabulary size

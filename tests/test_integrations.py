@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, pipeline
 
-from hf_attn_zoo.data import byte_level_tokenizer
+from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
 from hf_attn_zoo.models import VARIANTS
 
 from conftest import CONFORMANCE
@@ -16,14 +16,11 @@ from conftest import CONFORMANCE
 def byte_model(name: str):
     tokenizer = byte_level_tokenizer()
     config = VARIANTS[name].config(
-        vocab_size=len(tokenizer),
+        **tokenizer_fields(tokenizer),
         hidden_size=32,
         num_hidden_layers=2,
-        **CONFORMANCE[name]["config"],
         max_position_embeddings=128,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **CONFORMANCE[name]["config"],
     )
     torch.manual_seed(0)
     return VARIANTS[name].causal_lm_class(config), tokenizer
