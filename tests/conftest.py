@@ -41,6 +41,14 @@ CONFORMANCE = {
     },
 }
 
+CONFORMANCE["sliding_window"] = {
+    # a window of 4 over 11-13 tokens: the window bites, and whole sequences (> 2w) take the banded kernel
+    "config": dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
+    "invalid": [(dict(sliding_window=0), "sliding_window"), (dict(sliding_window=2.5), "sliding_window")],
+    "reference": references.softmax_attention,
+    "attentions": True,
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()

@@ -45,7 +45,8 @@ def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def softmax_attention(attn, hidden: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, config):
-    """Grouped-query softmax attention, one (row, head) at a time: query head h reads key/value head h // (H / G)."""
+    """Grouped-query softmax attention, one (row, head) at a time: query head h reads key/value head h // (H / G);
+    with `config.sliding_window` = w, a query sees the keys at most w - 1 positions back."""
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     q = attn.q_proj(hidden).view(batch, length, heads, head_dim)
@@ -57,8 +58,11 @@ def softmax_attention(attn, hidden: torch.Tensor, positions: torch.Tensor, atten
     slopes = paper_alibi_slopes(heads)
     out = torch.zeros(batch, length, heads, head_dim)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
+    window = getattr(config, "sliding_window", None)
     for b in range(batch):
         allowed = causal & attention_mask[b].bool()[None, :]
+        if window is not None:  # keys within the last `window` positions, the query's own included
+            allowed = allowed & (positions[b][:, None] - positions[b][None, :] < window)
         for h in range(heads):
             g = h // (heads // kv_heads)
             scores = q[b, :, h] @ k[b, :, g].T / math.sqrt(head_dim)

@@ -273,9 +273,13 @@ def test_optional_outputs_and_tuples(name, position):
     input_ids, attention_mask, rows = left_padded_batch()
     with torch.no_grad():
         out = model(input_ids, attention_mask=attention_mask, output_attentions=True, output_hidden_states=True)
+        plain = model(input_ids, attention_mask=attention_mask)
         as_tuple = model(input_ids, attention_mask=attention_mask, return_dict=False)
     assert len(out.hidden_states) == config.num_hidden_layers + 1
-    assert torch.equal(as_tuple[0], out.logits)
+    assert torch.equal(as_tuple[0], plain.logits)
+    # asking for the weights may route through a dense kernel (sliding window): same numbers within fp32 precision
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(out.logits[i, -len(row) :], plain.logits[i, -len(row) :], atol=ATOL, rtol=0)
     if not CONFORMANCE[name]["attentions"]:
         assert out.attentions is None or all(a is None for a in out.attentions)
         return

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from . import mha
+from . import mha, sliding_window
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .modeling_zoo import ZooForCausalLM, ZooModel, ZooPreTrainedModel
 
@@ -81,6 +81,7 @@ register_variant("mha", mha.ZooMHAForCausalLM)
 register_variant("mqa", mha.ZooMQAForCausalLM)
 register_variant("gqa", mha.ZooGQAForCausalLM)
 register_variant("single_head", mha.ZooSingleHeadForCausalLM)
+register_variant("sliding_window", sliding_window.ZooSlidingWindowForCausalLM)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

@@ -29,22 +29,28 @@ from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel, ZooSoftmaxKern
 
 
 class ZooMultiHeadAttention(ZooAttention):
-    """Softmax attention over `num_attention_heads` query heads and `num_key_value_heads` shared key/value heads."""
+    """Attention over `num_attention_heads` query heads and `num_key_value_heads` shared key/value heads.
 
-    def __init__(self, config: ZooConfig, layer_idx: int) -> None:
+    `forward` projects, applies RoPE, writes the cache and calls `attend`, the kernel: here softmax attention through
+    transformers' `ALL_ATTENTION_FUNCTIONS`. Variants with other kernels (sliding window, top-k, additive) subclass
+    this and override `attend` only; `query_key_dim` lets queries and keys live in a width other than `head_dim`.
+    """
+
+    def __init__(self, config: ZooConfig, layer_idx: int, query_key_dim: int | None = None) -> None:
         super().__init__(config, layer_idx)
         self.head_dim = config.head_dim
+        self.query_key_dim = query_key_dim or self.head_dim
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # read by the attention kernels
-        self.scaling = self.head_dim**-0.5
+        self.scaling = self.query_key_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.query_key_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.query_key_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
 
     def forward(
         self,
@@ -55,11 +61,10 @@ class ZooMultiHeadAttention(ZooAttention):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]  # (B, T)
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        # (B, T, heads * d_h) -> (B, T, heads, d_h) -> (B, heads, T, d_h)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        # (B, T, heads * width) -> (B, T, heads, width) -> (B, heads, T, width)
+        query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
 
         if position_embeddings is not None:
             query_states, key_states = apply_rotary(query_states, key_states, *position_embeddings)
@@ -68,21 +73,32 @@ class ZooMultiHeadAttention(ZooAttention):
             # (B, G, S, d_h): everything cached so far, this step included
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
+        attn_output, attn_weights = self.attend(query_states, key_states, value_states, attention_mask, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H, d_h) -> (B, T, H * d_h)
+        return self.o_proj(attn_output), attn_weights
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernel: `(B, H, T, d_qk)`, `(B, G, S, d_qk)`, `(B, G, S, d_h)` -> `((B, T, H, d_h), weights)`."""
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn_output, attn_weights = attention_interface(
+        return attention_interface(
             self,
-            query_states,
-            key_states,
-            value_states,
+            query,
+            key,
+            value,
             attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             **kwargs,
         )
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H, d_h) -> (B, T, H * d_h)
-        return self.o_proj(attn_output), attn_weights
 
 
 class ZooMHAConfig(ZooConfig):

@@ -21,6 +21,7 @@ This module is copied next to every saved checkpoint, so it only imports transfo
 
 import inspect
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,6 +43,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_zoo import ZooConfig
 
 __all__ = [
+    "BlockwiseCausalMask",
     "ZooAttention",
     "ZooDecoderLayer",
     "ZooForCausalLM",
@@ -106,6 +108,11 @@ class ZooAttention(nn.Module):
     """
 
     o_proj: nn.Linear
+    # What the backbone builds for `attention_mask`:
+    # "dense": transformers' causal mask for the backend (4D; ALiBi folded in as an additive float mask);
+    # "blockwise": a `BlockwiseCausalMask`, materialised a block of query rows at a time by chunked kernels;
+    # "padding": the 2D padding mask as given (or None), for variants that keep sums or states instead of scores.
+    mask_type = "dense"
 
     def __init__(self, config: ZooConfig, layer_idx: int) -> None:
         super().__init__()
@@ -193,6 +200,58 @@ def sinusoidal_embedding(position_ids: torch.Tensor, dim: int, dtype: torch.dtyp
     angles = position_ids[..., None].float() * inv_freq  # (B, T, dim/2)
     # stack -> (B, T, dim/2, 2) -> flatten: channel 2i is sin, 2i+1 is cos of the same frequency
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).to(dtype)
+
+
+def key_positions(query_positions: torch.LongTensor, past_length: int) -> torch.LongTensor:
+    """True positions of all visible keys: the `past_length` cached keys continue contiguously before the first
+    query, the new keys are the queries themselves. `(B, T)` -> `(B, past_length + T)`."""
+    past = query_positions[:, :1] + torch.arange(-past_length, 0, device=query_positions.device)  # (B, P)
+    return torch.cat((past, query_positions), dim=-1)
+
+
+@dataclass
+class BlockwiseCausalMask:
+    """A causal attention mask (optionally windowed) with key padding and ALiBi, materialised one rectangle of
+    (query rows, key columns) at a time, so that kernels which walk over query chunks never hold the (T, S) matrix.
+
+    Query i (0-based among the T new tokens) is key `past_length + i` of the S visible keys.
+    """
+
+    key_length: int  # S
+    past_length: int  # keys before the first query
+    key_padding: torch.Tensor | None = None  # (B, S) bool, True for real tokens; None when nothing is padded
+    sliding_window: int | None = None  # keys j with i - window < j <= i only
+    alibi_slopes: torch.Tensor | None = None  # (H,)
+    query_positions: torch.LongTensor | None = None  # (B, T) true positions, for ALiBi
+    key_positions: torch.LongTensor | None = None  # (B, S)
+
+    def allowed(self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None) -> torch.Tensor:
+        """Boolean `(B or 1, 1, q_end - q_start, k_end - k_start)`, True where query may attend to key. A row with no
+        allowed key (a padding query) allows all of them, so that kernels stay finite; its output is never used."""
+        k_end = self.key_length if k_end is None else k_end
+        device = self.key_padding.device if self.key_padding is not None else None
+        queries = torch.arange(q_start, q_end, device=device)[:, None] + self.past_length  # (C, 1) key index of query
+        keys = torch.arange(k_start, k_end, device=device)[None, :]  # (1, K)
+        allowed = keys <= queries
+        if self.sliding_window is not None:
+            allowed = allowed & (keys > queries - self.sliding_window)
+        allowed = allowed[None, None]  # (1, 1, C, K)
+        if self.key_padding is not None:
+            allowed = allowed & self.key_padding[:, None, None, k_start:k_end]
+        return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+    def additive(
+        self, q_start: int, q_end: int, dtype: torch.dtype, k_start: int = 0, k_end: int | None = None
+    ) -> torch.Tensor:
+        """Float mask to add to scores: 0 (or the ALiBi bias) where allowed, the dtype's minimum elsewhere.
+        `(B or 1, H or 1, C, K)`."""
+        allowed = self.allowed(q_start, q_end, k_start, k_end)
+        bias = torch.zeros((), dtype=dtype, device=allowed.device)
+        if self.alibi_slopes is not None:
+            k_end = self.key_length if k_end is None else k_end
+            distance = self.query_positions[:, q_start:q_end, None] - self.key_positions[:, None, k_start:k_end]
+            bias = (-self.alibi_slopes.view(1, -1, 1, 1) * distance[:, None]).to(dtype)  # (B, H, C, K)
+        return torch.where(allowed, bias, torch.finfo(dtype).min)
 
 
 class ZooPreTrainedModel(PreTrainedModel):
@@ -329,7 +388,8 @@ class ZooModel(ZooPreTrainedModel):
         self.post_init()
 
     def make_cache(self) -> Cache:
-        """The cache `forward` starts when `use_cache=True` and none is given; state-based variants override."""
+        """The cache `forward` (and `generate`) starts when none is given: key/value layers (sliding-window ones when
+        the config has `sliding_window`); variants that decode from a state return a `ZooStateCache`."""
         return DynamicCache(config=self.config)
 
     @merge_with_config_defaults
@@ -366,7 +426,10 @@ class ZooModel(ZooPreTrainedModel):
             hidden_states = F.dropout(hidden_states, self.config.hidden_dropout, training=True)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
-        causal_mask = self._attention_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
+        output_attentions = bool(kwargs.get("output_attentions", self.config.output_attentions))
+        causal_mask = self._attention_mask(
+            inputs_embeds, attention_mask, past_key_values, position_ids, output_attentions
+        )
 
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(
@@ -407,6 +470,28 @@ class ZooModel(ZooPreTrainedModel):
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None,
         position_ids: torch.LongTensor,
+        output_attentions: bool = False,
+    ) -> torch.Tensor | BlockwiseCausalMask | None:
+        """What the attention modules get as `attention_mask`, by the variant's `mask_type` (see `ZooAttention`)."""
+        mask_type = self._mask_type(inputs_embeds.shape[1], output_attentions)
+        if mask_type == "padding":
+            return attention_mask
+        if mask_type == "blockwise":
+            return self._blockwise_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
+        return self._dense_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
+
+    def _mask_type(self, query_length: int, output_attentions: bool) -> str:
+        return self.attention_class.mask_type
+
+    # transformers' mask builder for the dense path; the sliding-window variant uses the windowed one
+    create_dense_mask = staticmethod(create_causal_mask)
+
+    def _dense_mask(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        position_ids: torch.LongTensor,
     ) -> torch.Tensor | None:
         """The causal and padding mask for the chosen backend; with ALiBi, an additive float mask with the bias."""
         alibi = self.position_embedding_type == "alibi"
@@ -416,7 +501,7 @@ class ZooModel(ZooPreTrainedModel):
                 f"{self.config._attn_implementation!r} backend cannot take; load the model with "
                 f"attn_implementation='sdpa' or 'eager', or use position_embedding_type='rope'."
             )
-        mask = create_causal_mask(
+        mask = self.create_dense_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -426,23 +511,42 @@ class ZooModel(ZooPreTrainedModel):
         )
         if not alibi:
             return mask
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        return self._add_alibi_bias(mask, position_ids, past_length, inputs_embeds.dtype)
-
-    def _add_alibi_bias(
-        self, mask: torch.Tensor, position_ids: torch.LongTensor, past_length: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        # Key positions: the cached keys continue contiguously before the first new query; new keys are the queries.
-        batch_size = mask.shape[0]
+        batch_size, key_length = mask.shape[0], mask.shape[-1]
         query_positions = position_ids.expand(batch_size, -1)  # (B, T)
-        past_offsets = torch.arange(-past_length, 0, device=position_ids.device)  # (P,)
-        past_positions = query_positions[:, :1] + past_offsets  # (B, P)
-        key_positions = torch.cat((past_positions, query_positions), dim=-1)[:, -mask.shape[-1] :]  # (B, S)
-        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, T, S)
-        slopes = torch.tensor(alibi_slopes(self.config.num_attention_heads), device=mask.device, dtype=torch.float32)
-        bias = -slopes.view(1, -1, 1, 1) * distance  # (B, H, T, S)
+        keys = key_positions(query_positions, key_length - query_positions.shape[1])  # (B, S)
+        distance = query_positions[:, None, :, None] - keys[:, None, None, :]  # (B, 1, T, S)
+        bias = -self._alibi_slopes(mask.device).view(1, -1, 1, 1) * distance  # (B, H, T, S)
         allowed = mask if mask.dtype == torch.bool else mask == 0
-        return torch.where(allowed, bias, torch.finfo(dtype).min).to(dtype)
+        return torch.where(allowed, bias, torch.finfo(inputs_embeds.dtype).min).to(inputs_embeds.dtype)
+
+    def _blockwise_mask(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        position_ids: torch.LongTensor,
+    ) -> BlockwiseCausalMask:
+        batch_size, query_length = inputs_embeds.shape[:2]
+        key_length = query_length
+        if past_key_values is not None:
+            key_length, _ = past_key_values.get_mask_sizes(query_length, 0)
+        key_padding = None
+        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+            key_padding = attention_mask[:, -key_length:].bool()
+        mask = BlockwiseCausalMask(
+            key_length=key_length,
+            past_length=key_length - query_length,
+            key_padding=key_padding,
+            sliding_window=getattr(self.config, "sliding_window", None),
+        )
+        if self.position_embedding_type == "alibi":
+            mask.alibi_slopes = self._alibi_slopes(inputs_embeds.device)
+            mask.query_positions = position_ids.expand(batch_size, -1)
+            mask.key_positions = key_positions(mask.query_positions, mask.past_length)
+        return mask
+
+    def _alibi_slopes(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(alibi_slopes(self.config.num_attention_heads), device=device, dtype=torch.float32)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -526,6 +630,22 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """`generate` builds a cache of key/value layers; a variant that decodes from a state puts its own in place,
+        and refuses cache implementations (static, quantized, offloaded) that presuppose keys and values."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if type(self.model).make_cache is ZooModel.make_cache:
+            return
+        cache = model_kwargs.get("past_key_values")
+        if cache is None or getattr(cache, "_is_user_defined", False):
+            return
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"{self.config.model_type} decodes from a state per layer, not from keys and values: "
+                f"cache_implementation={generation_config.cache_implementation!r} does not apply; leave it unset."
+            )
+        model_kwargs["past_key_values"] = self.model.make_cache()
 
     def _fuse_loss(self, logits_to_keep: int | torch.Tensor) -> bool:
         """Whether training can skip the logits: only a plain `nn.Linear` head (not one wrapped by PEFT or a

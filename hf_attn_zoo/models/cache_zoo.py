@@ -1,0 +1,102 @@
+"""A transformers `Cache` for variants that decode from a state instead of a growing key/value cache.
+
+Linformer keeps its compressed keys and values, AFT-simple three running sums per channel, AFT-local those sums
+plus its last few keys. Each layer holds named tensors whose first dimension is the batch, so beam search
+(`reorder_cache`), batch expansion and selection work on any state. Removing tokens (`crop`, used by assisted and
+contrastive decoding) is impossible from a running sum and raises instead of returning silently wrong output.
+"""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class ZooStateLayer(CacheLayerMixin):
+    """One layer's decoding state: named tensors `(B, ...)` and the number of tokens folded into them."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: dict[str, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate ahead: the first `write` sets the state."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} holds a decoding state, not keys and values: use `read` and `write`")
+
+    def read(self) -> dict[str, torch.Tensor] | None:
+        """The state after the tokens seen so far, or None before the first token."""
+        return self.state or None
+
+    def write(self, state: dict[str, torch.Tensor], new_tokens: int) -> None:
+        self.state = state
+        self.seen_tokens += new_tokens
+        self.is_initialized = True
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state, self.seen_tokens, self.is_initialized = {}, 0, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.state = {name: t.index_select(0, beam_idx.to(t.device)) for name, t in self.state.items()}
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.state = {name: t.repeat_interleave(repeats, dim=0) for name, t in self.state.items()}
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.state = {name: t[indices] for name, t in self.state.items()}
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                "this variant decodes from a running state, from which tokens cannot be removed: decoding strategies "
+                "that roll the cache back (assisted or prompt-lookup decoding, contrastive search) do not apply; use "
+                "greedy, sampling or beam search."
+            )
+
+    def offload(self) -> None:
+        self.state = {name: t.to("cpu", non_blocking=True) for name, t in self.state.items()}
+
+    def prefetch(self) -> None:
+        if self.state and self.device is not None:
+            self.state = {name: t.to(self.device, non_blocking=True) for name, t in self.state.items()}
+
+    @property
+    def device(self) -> torch.device | None:
+        return next(iter(self.state.values())).device if self.state else None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+class ZooStateCache(Cache):
+    """A cache of `ZooStateLayer`s, one per decoder layer."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[ZooStateLayer() for _ in range(num_layers)])
+
+
+def state_layer(past_key_values: Cache | None, layer_idx: int, model_type: str) -> ZooStateLayer | None:
+    """The state layer of `layer_idx`, or a clear error when the cache is not one this variant can use."""
+    if past_key_values is None:
+        return None
+    layer = past_key_values.layers[layer_idx] if layer_idx < len(past_key_values.layers) else None
+    if not isinstance(layer, ZooStateLayer):
+        raise TypeError(
+            f"{model_type} decodes from a state per layer and cannot use a {type(past_key_values).__name__} of "
+            f"key/value layers; pass past_key_values=model.model.make_cache(), or let generate() create it."
+        )
+    return layer

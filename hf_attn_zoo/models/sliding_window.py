@@ -1,0 +1,106 @@
+"""Sliding-window attention: each token attends to the last `sliding_window` tokens, itself included.
+
+Papers: Beltagy et al. 2020, "Longformer" (local windowed attention); Jiang et al. 2023, "Mistral 7B" (causal sliding
+window with a rolling cache), which this follows. What differs from MHA: the causal mask is cut to a band of w keys,
+and the cache keeps only the last w - 1 keys and values (transformers' `DynamicSlidingWindowLayer`), so decoding
+memory stops growing after w tokens. Query heads share `num_key_value_heads` key/value heads as in GQA.
+
+Cache per token: 2·L·G·d_h until w tokens, then flat: 2·L·G·d_h·(w - 1) in all, whatever the length.
+
+Two kernels. Short inputs go through the backend with transformers' sliding-window mask (eager, sdpa, flash
+attention 2 with its native window, flex). Long inputs (more than 2w new tokens, on eager or sdpa) take a banded
+path that walks over blocks of queries, each attending only to the keys of its band: O(T·w) time and memory
+instead of O(T²). With w >= T both are plain causal attention, the `gqa` variant. Deviation from the papers: none.
+"""
+
+import torch
+from torch.nn import functional as F
+from transformers.masking_utils import create_sliding_window_causal_mask
+
+from .configuration_zoo import ZooConfig
+from .mha import ZooMultiHeadAttention
+from .modeling_zoo import BlockwiseCausalMask, ZooForCausalLM, ZooModel, ZooSoftmaxKernels
+
+
+class ZooSlidingWindowConfig(ZooConfig):
+    """`sliding_window` (w): how many keys each token sees, itself included."""
+
+    model_type = "zoo_sliding_window"
+    description = "causal window of w keys (Mistral); banded O(T·w) kernel for long inputs"
+    cache_per_token = "2·L·G·d_h, flat past w tokens"
+
+    sliding_window: int = 512
+
+    def _check_variant(self) -> None:
+        if (
+            not isinstance(self.sliding_window, int)
+            or isinstance(self.sliding_window, bool)
+            or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window={self.sliding_window!r} must be a positive integer: the number of keys each token "
+                f"attends to, itself included (use a value >= max_position_embeddings for full causal attention)."
+            )
+
+
+class ZooSlidingWindowAttention(ZooMultiHeadAttention):
+    """GQA projections and cache; the mask (or the banded kernel) limits each query to the last w keys."""
+
+    def attend(self, query, key, value, attention_mask, **kwargs):
+        if isinstance(attention_mask, BlockwiseCausalMask):
+            return self._banded(query, key, value, attention_mask), None
+        # flash attention 2 reads the window from `sliding_window`; the other backends from the mask
+        return super().attend(query, key, value, attention_mask, sliding_window=self.config.sliding_window, **kwargs)
+
+    def _banded(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockwiseCausalMask
+    ) -> torch.Tensor:
+        """Blocks of queries, each against the keys of its band only. `(B, H, T, d)` -> `(B, T, H, d)`."""
+        window = self.config.sliding_window
+        block = max(window, 64)  # per block: block x (block + window) scores
+        dropout = self.attention_dropout if self.training else 0.0
+        outputs = []
+        for q_start in range(0, query.shape[2], block):
+            q_end = min(query.shape[2], q_start + block)
+            k_start = max(0, mask.past_length + q_start - window + 1)  # first key the first query of the block sees
+            k_end = mask.past_length + q_end
+            if mask.alibi_slopes is not None:
+                block_mask = mask.additive(q_start, q_end, query.dtype, k_start, k_end)  # (B, H, C, K)
+            else:
+                block_mask = mask.allowed(q_start, q_end, k_start, k_end)  # (B or 1, 1, C, K)
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, q_start:q_end],
+                    key[:, :, k_start:k_end],
+                    value[:, :, k_start:k_end],
+                    attn_mask=block_mask,
+                    dropout_p=dropout,
+                    scale=self.scaling,
+                    enable_gqa=self.num_key_value_groups > 1,
+                )
+            )
+        return torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
+
+
+class ZooSlidingWindowModel(ZooSoftmaxKernels, ZooModel):
+    config_class = ZooSlidingWindowConfig
+    attention_class = ZooSlidingWindowAttention
+    create_dense_mask = staticmethod(create_sliding_window_causal_mask)
+
+    def _mask_type(self, query_length: int, output_attentions: bool) -> str:
+        banded = (
+            query_length > 2 * self.config.sliding_window
+            and self.config._attn_implementation in ("eager", "sdpa")
+            and not output_attentions  # the banded kernel never forms the full weight matrix
+        )
+        return "blockwise" if banded else "dense"
+
+
+class ZooSlidingWindowForCausalLM(ZooSoftmaxKernels, ZooForCausalLM):
+    config_class = ZooSlidingWindowConfig
+    base_model_class = ZooSlidingWindowModel
+
+
+ZooSlidingWindowConfig.register_for_auto_class()
+ZooSlidingWindowModel.register_for_auto_class("AutoModel")
+ZooSlidingWindowForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -1,0 +1,64 @@
+"""Sliding window: the banded kernel, w >= T as plain causal attention, and the rolling cache."""
+
+import pytest
+import torch
+
+from conftest import left_padded_batch, positions_from_mask, tiny_model
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi", "learned"])
+def test_banded_kernel_matches_dense_mask_with_padding_and_cache(position):
+    # w = 7 does not divide the block or the lengths; 40 and 30 new tokens (> 2w) take the banded kernel, the
+    # first chunk from an empty cache, the second after w - 1 cached keys
+    model = tiny_model("sliding_window", position, sliding_window=7, max_position_embeddings=128)
+    input_ids, attention_mask, rows = left_padded_batch(lengths=(75, 62, 40))
+    position_ids = positions_from_mask(attention_mask)
+    with torch.no_grad():
+        dense = model(input_ids, attention_mask=attention_mask, output_attentions=True).logits  # dense kernel
+        banded = model(input_ids, attention_mask=attention_mask).logits
+        cache, pieces = None, []
+        for start, end in ((0, 40), (40, 70), (70, 71), (71, 75)):
+            out = model(
+                input_ids[:, start:end],
+                attention_mask=attention_mask[:, :end],
+                position_ids=position_ids[:, start:end],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            pieces.append(out.logits)
+    cached = torch.cat(pieces, dim=1)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(banded[i, -len(row) :], dense[i, -len(row) :], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cached[i, -len(row) :], dense[i, -len(row) :], atol=1e-5, rtol=0)
+    # the rolling cache keeps the last w - 1 keys and values, however long the input
+    assert cache.layers[0].keys.shape[2] == 6 and cache.get_seq_length() == 75
+
+
+def test_window_at_least_the_length_is_gqa_exactly():
+    gqa = tiny_model("gqa")
+    window = tiny_model("sliding_window", sliding_window=64)
+    window.load_state_dict(gqa.state_dict())
+    input_ids, attention_mask, _ = left_padded_batch()
+    with torch.no_grad():
+        assert torch.equal(window(input_ids).logits, gqa(input_ids).logits)
+        assert torch.equal(
+            window(input_ids, attention_mask=attention_mask).logits,
+            gqa(input_ids, attention_mask=attention_mask).logits,
+        )
+    kwargs = dict(max_new_tokens=10, do_sample=False)
+    assert torch.equal(
+        window.generate(input_ids, attention_mask=attention_mask, **kwargs),
+        gqa.generate(input_ids, attention_mask=attention_mask, **kwargs),
+    )
+
+
+def test_a_narrow_window_changes_the_result():
+    gqa = tiny_model("gqa")
+    window = tiny_model("sliding_window", sliding_window=3)
+    window.load_state_dict(gqa.state_dict())
+    input_ids = torch.randint(3, 90, (1, 12))
+    with torch.no_grad():
+        a, b = window(input_ids).logits, gqa(input_ids).logits
+    torch.testing.assert_close(a[:, :3], b[:, :3], atol=1e-6, rtol=0)  # the first w tokens see everything anyway
+    assert not torch.allclose(a[:, 3:], b[:, 3:], atol=1e-3)
