@@ -16,7 +16,9 @@ from .models import get_variant
 @dataclass
 class DemoOptions:
     variant: str = field(default="gqa", metadata={"help": "registered variant name (see `hf-attn-zoo list`)"})
-    position_embedding_type: str = field(default="rope", metadata={"help": "rope, alibi, sinusoidal, learned, none"})
+    position_embedding_type: str | None = field(
+        default=None, metadata={"help": "rope, alibi, sinusoidal, learned or none; default: the variant's own"}
+    )
     prompt: str = field(default="def main():\n", metadata={"help": "text to continue"})
     max_new_tokens: int = field(default=64, metadata={"help": "tokens to generate"})
     score_chars: int = field(default=8192, metadata={"help": "characters of held-out text to score"})
@@ -42,18 +44,17 @@ def run_demo(options: DemoOptions) -> dict:
     torch.manual_seed(options.seed)
     tokenizer = byte_level_tokenizer()
     variant = get_variant(options.variant)
-    # head counts stay at the variant's defaults (8 query heads; 2 KV heads for gqa, 1 for mqa, 1 head for single_head)
+    # head counts and the rest stay at the variant's defaults (8 query heads; 2 KV heads for gqa, 1 for mqa, ...)
+    positions = (
+        {} if options.position_embedding_type is None else {"position_embedding_type": options.position_embedding_type}
+    )
     config = variant.config(
-        **tokenizer_fields(tokenizer),
-        hidden_size=128,
-        num_hidden_layers=4,
-        max_position_embeddings=1024,
-        position_embedding_type=options.position_embedding_type,
+        **tokenizer_fields(tokenizer), hidden_size=128, num_hidden_layers=4, max_position_embeddings=1024, **positions
     )
     model = variant.causal_lm_class(config).eval()
     print(
         f"{variant.model_type}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-        f"{options.position_embedding_type} positions, untrained"
+        f"{config.position_embedding_type} positions, untrained"
     )
 
     held_out = stdlib_corpus_files()[-1].read_text(encoding="utf-8")[: options.score_chars]

@@ -49,23 +49,45 @@ CONFORMANCE["sliding_window"] = {
     "attentions": True,
 }
 
+CONFORMANCE["topk"] = {
+    # keep 3 of up to 13 visible keys: the selection bites; chunks of 4 queries
+    "config": dict(num_attention_heads=4, num_key_value_heads=2, topk=3, query_chunk_size=4),
+    "invalid": [
+        (dict(topk=0), "topk"),
+        (dict(topk=65, max_position_embeddings=64), "topk"),
+        (dict(query_chunk_size=0), "query_chunk_size"),
+    ],
+    "reference": references.topk_attention,
+    "attentions": True,
+}
+CONFORMANCE["additive"] = {
+    "config": dict(num_attention_heads=4, additive_dim=8, query_chunk_size=4),
+    "invalid": [(dict(additive_dim=0), "additive_dim"), (dict(query_chunk_size=-1), "query_chunk_size")],
+    "reference": references.additive_attention,
+    "attentions": True,
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()
     for position in variant.position_types
     if name in CONFORMANCE
 ]
+# the cases whose variant can also run on transformers' sdpa kernel
+SDPA_CASES = [case for case in CASES if VARIANTS[case.values[0]].causal_lm_class._supports_sdpa]
 
 
-def tiny_config(name: str, position_embedding_type: str = "rope", **overrides):
-    """A 2-layer, 32-wide config of variant `name`; large init so greedy choices are far from ties."""
+def tiny_config(name: str, position_embedding_type: str | None = None, **overrides):
+    """A 2-layer, 32-wide config of variant `name` (with its own default position type unless one is given); large
+    init so greedy choices are far from ties."""
+    if position_embedding_type is not None:
+        overrides["position_embedding_type"] = position_embedding_type
     kwargs = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         max_position_embeddings=64,
-        position_embedding_type=position_embedding_type,
         initializer_range=0.2,
         pad_token_id=0,
         bos_token_id=1,
@@ -76,7 +98,7 @@ def tiny_config(name: str, position_embedding_type: str = "rope", **overrides):
     return VARIANTS[name].config(**kwargs)
 
 
-def tiny_model(name: str, position_embedding_type: str = "rope", seed: int = 0, **overrides):
+def tiny_model(name: str, position_embedding_type: str | None = None, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config = tiny_config(name, position_embedding_type, **overrides)
     return VARIANTS[name].causal_lm_class(config).eval()

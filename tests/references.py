@@ -44,34 +44,66 @@ def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return table.float()
 
 
-def softmax_attention(attn, hidden: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, config):
-    """Grouped-query softmax attention, one (row, head) at a time: query head h reads key/value head h // (H / G);
-    with `config.sliding_window` = w, a query sees the keys at most w - 1 positions back."""
+def scored_attention(attn, hidden, positions, attention_mask, config, score, keep=None):
+    """Attention with an arbitrary score, one (row, head) at a time: query head h reads key/value head h // (H / G);
+    `score(q_i, keys, h)` gives the scores of one query against all keys; ALiBi adds its bias; with
+    `config.sliding_window` = w a query sees the keys at most w - 1 positions back; with `keep`, only the `keep` best
+    allowed scores of each query enter the softmax."""
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    q = attn.q_proj(hidden).view(batch, length, heads, head_dim)
-    k = attn.k_proj(hidden).view(batch, length, kv_heads, head_dim)
+    qk_dim = attn.query_key_dim
+    q = attn.q_proj(hidden).view(batch, length, heads, qk_dim)
+    k = attn.k_proj(hidden).view(batch, length, kv_heads, qk_dim)
     v = attn.v_proj(hidden).view(batch, length, kv_heads, head_dim)
     if config.position_embedding_type == "rope":
         theta = config.rope_parameters["rope_theta"]
         q, k = rotate(q, positions, theta), rotate(k, positions, theta)
     slopes = paper_alibi_slopes(heads)
+    window = getattr(config, "sliding_window", None)
     out = torch.zeros(batch, length, heads, head_dim)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
-    window = getattr(config, "sliding_window", None)
     for b in range(batch):
         allowed = causal & attention_mask[b].bool()[None, :]
-        if window is not None:  # keys within the last `window` positions, the query's own included
+        if window is not None:
             allowed = allowed & (positions[b][:, None] - positions[b][None, :] < window)
         for h in range(heads):
             g = h // (heads // kv_heads)
-            scores = q[b, :, h] @ k[b, :, g].T / math.sqrt(head_dim)
-            if config.position_embedding_type == "alibi":
-                distance = positions[b][:, None] - positions[b][None, :]
-                scores = scores - slopes[h] * distance
-            probabilities = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
-            out[b, :, h] = probabilities @ v[b, :, g]
+            for i in range(length):
+                scores = score(q[b, i, h], k[b, :, g], h)  # (S,)
+                if config.position_embedding_type == "alibi":
+                    scores = scores - slopes[h] * (positions[b, i] - positions[b])
+                visible = allowed[i].clone()
+                if not visible.any():  # a padding query: its output is never compared
+                    continue
+                if keep is not None and visible.sum() > keep:
+                    best = scores.masked_fill(~visible, float("-inf")).topk(keep).indices
+                    visible = torch.zeros_like(visible)
+                    visible[best] = True
+                probabilities = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+                out[b, i, h] = probabilities @ v[b, :, g]
     return attn.o_proj(out.reshape(batch, length, heads * head_dim))
+
+
+def softmax_attention(attn, hidden, positions, attention_mask, config):
+    """Scaled dot-product attention (MHA, GQA, MQA, sliding window)."""
+    scale = attn.query_key_dim**-0.5
+    return scored_attention(attn, hidden, positions, attention_mask, config, lambda q, keys, h: keys @ q * scale)
+
+
+def topk_attention(attn, hidden, positions, attention_mask, config):
+    """Gupta et al. 2021: the softmax over each query's `topk` best scaled dot products."""
+    scale = attn.query_key_dim**-0.5
+    return scored_attention(
+        attn, hidden, positions, attention_mask, config, lambda q, keys, h: keys @ q * scale, keep=config.topk
+    )
+
+
+def additive_attention(attn, hidden, positions, attention_mask, config):
+    """Bahdanau et al. 2015: score(q, k) = v_h . tanh(q + k), q and k already projected (W_q x, W_k x)."""
+    vector = attn.score_vector
+    return scored_attention(
+        attn, hidden, positions, attention_mask, config, lambda q, keys, h: torch.tanh(q + keys) @ vector[h]
+    )
 
 
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):

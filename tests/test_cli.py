@@ -16,7 +16,8 @@ def test_list_prints_every_variant(capsys):
     table = capsys.readouterr().out
     for name, variant in VARIANTS.items():
         row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` "))
-        assert variant.model_type in row and variant.cache_per_token in row and "sdpa" in row
+        assert variant.model_type in row and variant.cache_per_token in row
+        assert f"| {', '.join(variant.backends)} |" in row and "eager" in variant.backends
 
 
 def test_bench_llama_writes_ratios(tmp_path, capsys):

@@ -9,7 +9,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from hf_attn_zoo.models import POSITION_EMBEDDING_TYPES, VARIANTS
 
 import references
-from conftest import CASES, CONFORMANCE, VOCAB_SIZE, left_padded_batch, positions_from_mask, tiny_config, tiny_model
+from conftest import (
+    CASES,
+    CONFORMANCE,
+    SDPA_CASES,
+    VOCAB_SIZE,
+    left_padded_batch,
+    positions_from_mask,
+    tiny_config,
+    tiny_model,
+)
 
 ATOL = 1e-5
 
@@ -216,10 +225,8 @@ def test_config_mutated_after_construction_is_checked_by_the_model():
 
 
 # 8. backends and gradient checkpointing ---------------------------------------------------------------------------
-@pytest.mark.parametrize("name, position", CASES)
+@pytest.mark.parametrize("name, position", SDPA_CASES)
 def test_eager_and_sdpa_agree(name, position):
-    if not VARIANTS[name].causal_lm_class._supports_sdpa:
-        pytest.skip(f"{name} has no sdpa path")
     config = tiny_config(name, position)
     torch.manual_seed(0)
     eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from . import mha, sliding_window
+from . import additive, mha, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .modeling_zoo import ZooForCausalLM, ZooModel, ZooPreTrainedModel
 
@@ -82,6 +82,8 @@ register_variant("mqa", mha.ZooMQAForCausalLM)
 register_variant("gqa", mha.ZooGQAForCausalLM)
 register_variant("single_head", mha.ZooSingleHeadForCausalLM)
 register_variant("sliding_window", sliding_window.ZooSlidingWindowForCausalLM)
+register_variant("topk", topk.ZooTopKForCausalLM)
+register_variant("additive", additive.ZooAdditiveForCausalLM)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

@@ -173,6 +173,32 @@ class ZooConfig(PreTrainedConfig):
         """Variant-specific checks; subclasses override."""
 
 
+class ZooChunkedConfig(ZooConfig):
+    """Base of the variants whose kernels walk over the sequence in chunks (top-k, additive, Linformer, AFT).
+
+    Args:
+        query_chunk_size (`int`): queries (or tokens) processed at once: peak memory is proportional to it.
+    """
+
+    query_chunk_size: int = 64
+
+    def _check_variant(self) -> None:
+        if not _is_positive_int(self.query_chunk_size):
+            raise ValueError(f"query_chunk_size must be a positive integer, got {self.query_chunk_size!r}.")
+
+
+def check_positive_int(config: ZooConfig, field: str, meaning: str, at_most: str | None = None) -> None:
+    """Raise `ValueError` naming `field` unless it is an integer >= 1 (and <= the config field `at_most`)."""
+    value = getattr(config, field)
+    if not _is_positive_int(value):
+        raise ValueError(f"{field}={value!r} must be a positive integer: {meaning}.")
+    if at_most is not None and value > getattr(config, at_most):
+        raise ValueError(
+            f"{field}={value} is larger than {at_most}={getattr(config, at_most)}: {meaning}; lower {field} or raise "
+            f"{at_most}."
+        )
+
+
 def default_intermediate_size(hidden_size: int, mlp_type: str) -> int:
     if mlp_type == "gated":
         return 64 * math.ceil(8 * hidden_size / 3 / 64)

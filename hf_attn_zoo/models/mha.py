@@ -61,13 +61,7 @@ class ZooMultiHeadAttention(ZooAttention):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]  # (B, T)
-        # (B, T, heads * width) -> (B, T, heads, width) -> (B, heads, T, width)
-        query_states = self.q_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
-
-        if position_embeddings is not None:
-            query_states, key_states = apply_rotary(query_states, key_states, *position_embeddings)
+        query_states, key_states, value_states = self.project(hidden_states, position_embeddings)
 
         if past_key_values is not None:
             # (B, G, S, d_h): everything cached so far, this step included
@@ -76,6 +70,19 @@ class ZooMultiHeadAttention(ZooAttention):
         attn_output, attn_weights = self.attend(query_states, key_states, value_states, attention_mask, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H, d_h) -> (B, T, H * d_h)
         return self.o_proj(attn_output), attn_weights
+
+    def project(
+        self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries `(B, H, T, d_qk)`, keys `(B, G, T, d_qk)` and values `(B, G, T, d_h)`, RoPE applied."""
+        input_shape = hidden_states.shape[:-1]  # (B, T)
+        # (B, T, heads * width) -> (B, T, heads, width) -> (B, heads, T, width)
+        query = self.q_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        if position_embeddings is not None:
+            query, key = apply_rotary(query, key, *position_embeddings)
+        return query, key, value
 
     def attend(
         self,

@@ -274,6 +274,9 @@ class ZooPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
+        # parameters that are not Linear/Embedding/norm weights (score vectors, Linformer's E and F) init themselves
+        if hasattr(module, "init_parameters"):
+            module.init_parameters(self.config)
         # GPT-2: the projections writing into the residual stream start smaller, std / sqrt(2L), so the variance of
         # the stream does not grow with depth. Children are initialised before their parent, so this wins.
         if isinstance(module, ZooDecoderLayer) and self.config.scale_residual_init:

@@ -1,0 +1,86 @@
+"""Additive attention: score(q, k) = vᵀ tanh(W_q x_q + W_k x_k), per head, causal.
+
+Paper: Bahdanau, Cho & Bengio 2015, "Neural Machine Translation by Jointly Learning to Align and Translate". What
+differs from MHA: the score of a query and a key is a one-hidden-layer network instead of a dot product: both are
+projected to `additive_dim` per head, added, passed through tanh and read out by a learned vector v per head (no
+scaling). That costs O(T·S·additive_dim) elementwise work per head where a dot product is one matmul, so queries go
+through in chunks of `query_chunk_size`: peak memory O(chunk·S·additive_dim) instead of O(T·S·additive_dim).
+
+Cache per token: L·G·(additive_dim + d_h): keys are cached already projected (W_k x) with the values. Positions:
+ALiBi (the default), sinusoidal, learned or none; RoPE rotates dot products and has no meaning here. Deviation from
+the paper: there a decoder state attends to the states of a recurrent encoder; here the same score drives causal
+multi-head self-attention in a transformer block.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from .configuration_zoo import ZooChunkedConfig, check_positive_int
+from .mha import ZooMultiHeadAttention
+from .modeling_zoo import BlockwiseCausalMask, ZooForCausalLM, ZooModel
+
+
+class ZooAdditiveConfig(ZooChunkedConfig):
+    """`additive_dim`: width of the tanh layer of each head's score network."""
+
+    model_type = "zoo_additive"
+    description = "Bahdanau scores vᵀtanh(W_q q + W_k k) per head, chunked over queries"
+    cache_per_token = "L·G·(a + d_h)"
+    supported_position_types = ("alibi", "sinusoidal", "learned", "none")
+
+    position_embedding_type: str = "alibi"
+    additive_dim: int = 32
+    query_chunk_size: int = 16
+
+    def _check_variant(self) -> None:
+        super()._check_variant()
+        check_positive_int(self, "additive_dim", "the width of each head's tanh layer")
+
+
+class ZooAdditiveAttention(ZooMultiHeadAttention):
+    """Queries and keys projected to `additive_dim` per head; `score_vector` (H, additive_dim) reads the tanh out."""
+
+    mask_type = "blockwise"
+
+    def __init__(self, config: ZooAdditiveConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx, query_key_dim=config.additive_dim)
+        self.score_vector = nn.Parameter(torch.empty(self.num_heads, config.additive_dim))
+
+    def init_parameters(self, config: ZooAdditiveConfig) -> None:
+        init.normal_(self.score_vector, mean=0.0, std=config.initializer_range)
+
+    def attend(self, query, key, value, attention_mask: BlockwiseCausalMask, **kwargs):
+        # query (B, H, T, a); key (B, G, S, a) and value (B, G, S, d) -> one key/value head per query head
+        key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
+        chunk = self.config.query_chunk_size
+        outputs, weights = [], []
+        for start in range(0, query.shape[2], chunk):
+            end = min(query.shape[2], start + chunk)
+            hidden = torch.tanh(query[:, :, start:end, None, :] + key[:, :, None, :, :])  # (B, H, C, S, a)
+            scores = torch.einsum("bhcsa,ha->bhcs", hidden, self.score_vector)  # (B, H, C, S)
+            scores = scores + attention_mask.additive(start, end, scores.dtype)
+            probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
+            outputs.append(torch.matmul(probabilities, value))  # (B, H, C, d)
+            if kwargs.get("output_attentions"):
+                weights.append(probabilities)
+        attn_output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
+        return attn_output, torch.cat(weights, dim=2) if weights else None
+
+
+class ZooAdditiveModel(ZooModel):
+    config_class = ZooAdditiveConfig
+    attention_class = ZooAdditiveAttention
+
+
+class ZooAdditiveForCausalLM(ZooForCausalLM):
+    config_class = ZooAdditiveConfig
+    base_model_class = ZooAdditiveModel
+
+
+ZooAdditiveConfig.register_for_auto_class()
+ZooAdditiveModel.register_for_auto_class("AutoModel")
+ZooAdditiveForCausalLM.register_for_auto_class("AutoModelForCausalLM")
