@@ -67,6 +67,18 @@ CONFORMANCE["additive"] = {
     "attentions": True,
 }
 
+CONFORMANCE["linformer"] = {
+    # 5 slots, chunks of 4 tokens: prefix sums inside chunks and the running state across them both matter
+    "config": dict(num_attention_heads=4, num_key_value_heads=2, linformer_k=5, query_chunk_size=4),
+    "invalid": [
+        (dict(linformer_k=0), "linformer_k"),
+        (dict(linformer_k=65, max_position_embeddings=64), "linformer_k"),
+        (dict(linformer_sharing="columnwise"), "linformer_sharing"),
+    ],
+    "reference": references.linformer_attention,
+    "attentions": False,  # causal form: every step has its own compressed keys
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()

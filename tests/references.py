@@ -106,6 +106,40 @@ def additive_attention(attn, hidden, positions, attention_mask, config):
     )
 
 
+def linformer_attention(attn, hidden, positions, attention_mask, config):
+    """Wang et al. 2020, causal form: at step t slot j holds sum over real tokens s <= t of E[j, pos_s]·k_s (F for
+    values), and the query attends over the k slots; with `is_causal=False` the sums run over the whole input."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = attn.q_proj(hidden).view(batch, length, heads, head_dim)
+    k = attn.k_proj(hidden).view(batch, length, kv_heads, head_dim)
+    v = attn.v_proj(hidden).view(batch, length, kv_heads, head_dim)
+    if config.position_embedding_type == "rope":
+        theta = config.rope_parameters["rope_theta"]
+        q, k = rotate(q, positions, theta), rotate(k, positions, theta)
+    projection = attn.linformer_projection
+    e = projection.key_projection
+    f = e if projection.value_projection is None else projection.value_projection
+    out = torch.zeros(batch, length, heads, head_dim)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            p = g if e.shape[0] > 1 else 0  # one E per key/value head, or shared
+            for t in range(length):
+                if not attention_mask[b, t]:
+                    continue
+                horizon = t + 1 if config.is_causal else length
+                slots_k = torch.zeros(config.linformer_k, head_dim)
+                slots_v = torch.zeros(config.linformer_k, head_dim)
+                for s in range(horizon):
+                    if attention_mask[b, s]:
+                        slots_k += e[p, :, positions[b, s], None] * k[b, s, g]
+                        slots_v += f[p, :, positions[b, s], None] * v[b, s, g]
+                probabilities = (slots_k @ q[b, t, h] / head_dim**0.5).softmax(-1)
+                out[b, t, h] = probabilities @ slots_v
+    return attn.o_proj(out.reshape(batch, length, heads * head_dim))
+
+
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):
     """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
     config = model.config

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from . import additive, mha, sliding_window, topk
+from . import additive, linformer, mha, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .modeling_zoo import ZooForCausalLM, ZooModel, ZooPreTrainedModel
 
@@ -83,6 +83,7 @@ register_variant("gqa", mha.ZooGQAForCausalLM)
 register_variant("single_head", mha.ZooSingleHeadForCausalLM)
 register_variant("sliding_window", sliding_window.ZooSlidingWindowForCausalLM)
 register_variant("topk", topk.ZooTopKForCausalLM)
+register_variant("linformer", linformer.ZooLinformerForCausalLM)
 register_variant("additive", additive.ZooAdditiveForCausalLM)
 
 

@@ -137,14 +137,14 @@ class ZooConfig(PreTrainedConfig):
                 f"{self.num_attention_heads}: query head h reads key/value head h // (num_attention_heads / "
                 f"num_key_value_heads), so set num_key_value_heads to one of {divisors}."
             )
-        _check_choice(
+        check_choice(
             "position_embedding_type",
             self.position_embedding_type,
             self.supported_position_types,
             f"{type(self).__name__} ({self.model_type})",
         )
-        _check_choice("norm_type", self.norm_type, NORM_TYPES)
-        _check_choice("mlp_type", self.mlp_type, MLP_TYPES)
+        check_choice("norm_type", self.norm_type, NORM_TYPES)
+        check_choice("mlp_type", self.mlp_type, MLP_TYPES)
         if self.hidden_act not in ACT2FN:
             raise ValueError(
                 f"hidden_act={self.hidden_act!r} is not a known activation; use one of transformers' ACT2FN keys, "
@@ -209,7 +209,7 @@ def _is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _check_choice(field: str, value, choices: tuple[str, ...], owner: str | None = None) -> None:
+def check_choice(field: str, value, choices: tuple[str, ...], owner: str | None = None) -> None:
     if value not in choices:
         where = f" by {owner}" if owner else ""
         raise ValueError(f"{field}={value!r} is not supported{where}; use one of {list(choices)}.")

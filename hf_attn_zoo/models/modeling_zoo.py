@@ -12,9 +12,10 @@ Positions (`config.position_embedding_type`) are a backbone choice:
 - `alibi`: a per-head linear bias on the attention scores, folded into the additive attention mask built here.
 - `sinusoidal` / `learned`: absolute embeddings of `position_ids` added to the token embeddings.
 - `none`: nothing; the causal mask alone carries order.
-ALiBi and absolute positions read the true positions from `position_ids`. When a 2D `attention_mask` is given
-without `position_ids`, positions are counted over the unmasked tokens, so a left-padded row sees the same positions
-as the row alone (RoPE is relative, so it keeps Llama's plain `arange`).
+ALiBi, absolute positions and kernels that index parameters by position (Linformer, AFT) read the true positions
+from `position_ids`. When a 2D `attention_mask` is given without `position_ids`, positions are counted over the
+unmasked tokens, so a left-padded row sees the same positions as the row alone (RoPE alone is relative, so it keeps
+Llama's plain `arange`).
 
 This module is copied next to every saved checkpoint, so it only imports transformers, torch and flat siblings.
 """
@@ -104,7 +105,7 @@ class ZooAttention(nn.Module):
     cache with `past_key_values.update(..., self.layer_idx)` (or a state layer of its own) and ends with `o_proj`,
     the projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is the
     RoPE `(cos, signed_sin)` pair for `apply_rotary` when `position_embedding_type == "rope"`, else None; ALiBi
-    arrives inside `attention_mask` as an additive float bias.
+    arrives inside `attention_mask` as an additive float bias; `position_ids` (true positions) come in `kwargs`.
     """
 
     o_proj: nn.Linear
@@ -113,6 +114,9 @@ class ZooAttention(nn.Module):
     # "blockwise": a `BlockwiseCausalMask`, materialised a block of query rows at a time by chunked kernels;
     # "padding": the 2D padding mask as given (or None), for variants that keep sums or states instead of scores.
     mask_type = "dense"
+    # True when the kernel indexes parameters by position (Linformer's E, AFT's bias): positions are then always
+    # counted over real tokens, as for absolute position embeddings
+    reads_positions = False
 
     def __init__(self, config: ZooConfig, layer_idx: int) -> None:
         super().__init__()
@@ -388,7 +392,11 @@ class ZooModel(ZooPreTrainedModel):
         )
         self.norm = make_norm(config)
         self.gradient_checkpointing = False
+        self.share_across_layers()
         self.post_init()
+
+    def share_across_layers(self) -> None:
+        """Hook for parameters that all layers share (Linformer's layerwise projection); runs before init."""
 
     def make_cache(self) -> Cache:
         """The cache `forward` (and `generate`) starts when none is given: key/value layers (sliding-window ones when
@@ -439,6 +447,7 @@ class ZooModel(ZooPreTrainedModel):
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
+                position_ids=position_ids,
                 past_key_values=past_key_values,
                 **kwargs,
             )
@@ -450,7 +459,11 @@ class ZooModel(ZooPreTrainedModel):
     ) -> torch.LongTensor:
         seq_length = inputs_embeds.shape[1]
         absolute = self.position_embedding_type in ("alibi", "sinusoidal", "learned")
-        if absolute and attention_mask is not None and attention_mask.ndim == 2:
+        if (
+            (absolute or self.attention_class.reads_positions)
+            and attention_mask is not None
+            and attention_mask.ndim == 2
+        ):
             # Count real tokens only: a left-padded row gets the positions it would have alone; pads sit at 0.
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, past + T)
             return position_ids[:, -seq_length:]

@@ -1,0 +1,211 @@
+"""Linformer: keys and values compressed along the sequence into k slots by learned projections E and F.
+
+Paper: Wang et al. 2020, "Linformer: Self-Attention with Linear Complexity". What differs from MHA: instead of the
+n keys, each query attends to k compressed slots K̄ = E·K and V̄ = F·V (E, F: k x n with n =
+max_position_embeddings), so the score matrix is n x k, linear in n.
+
+Causal form (the paper's projection mixes the future into every slot, so it cannot be causal): slot j at step t is
+K̄_t[j] = sum over s <= t of E[j, s]·k_s, and V̄_t likewise with F; at t = n it is the paper's projection. It is
+computed chunk by chunk: the running (K̄, V̄) of earlier chunks plus exact prefix sums inside the chunk, in
+O(T·(k + chunk)·d) time and O(chunk·(k + chunk)) memory. Decoding keeps only (K̄, V̄): the cache is a state of
+2·L·G·k·d_h values whatever the length, with nothing added per token. `is_causal=False` is the paper's form
+(K̄ = E·K over the whole input), which cannot generate.
+
+Sharing (`linformer_sharing`, the paper's section 4): "none" (E and F per layer and key/value head), "headwise" (one
+E and one F per layer), "key_value" (one E = F per layer), "layerwise" (one E = F for the whole model). E and F are
+indexed by true positions (`position_ids`), so left padding changes nothing; an input longer than
+max_position_embeddings is an error. `output_attentions`: None in the causal form (every step has its own compressed
+keys), weights over the k slots `(B, H, T, k)` in the paper's. Deviation from the paper: the causal form above.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
+
+from .cache_zoo import ZooStateCache, state_layer
+from .configuration_zoo import ZooChunkedConfig, check_choice, check_positive_int
+from .mha import ZooMultiHeadAttention
+from .modeling_zoo import ZooForCausalLM, ZooModel
+
+LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
+
+
+class ZooLinformerConfig(ZooChunkedConfig):
+    """`linformer_k`: compressed slots; `linformer_sharing`: see the module docstring; `is_causal`: False for the
+    paper's bidirectional form."""
+
+    model_type = "zoo_linformer"
+    description = "keys/values projected to k slots along the sequence (Wang 2020), causal by cumulative sums"
+    cache_per_token = "0 (state: 2·L·G·k·d_h)"
+    supported_position_types = ("rope", "sinusoidal", "learned", "none")
+
+    linformer_k: int = 64
+    linformer_sharing: str = "headwise"
+    is_causal: bool = True
+
+    def _check_variant(self) -> None:
+        super()._check_variant()
+        check_positive_int(
+            self, "linformer_k", "the number of compressed key/value slots", at_most="max_position_embeddings"
+        )
+        check_choice("linformer_sharing", self.linformer_sharing, LINFORMER_SHARING)
+        if not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal must be True (causal form) or False (the paper's), got {self.is_causal!r}.")
+
+
+class LinformerProjection(nn.Module):
+    """E (`key_projection`) and F (`value_projection`, absent when E = F), each `(P, k, n)`: P key/value heads when
+    every head has its own, else 1."""
+
+    def __init__(self, config: ZooLinformerConfig, per_head: bool, separate_values: bool) -> None:
+        super().__init__()
+        shape = (config.num_key_value_heads if per_head else 1, config.linformer_k, config.max_position_embeddings)
+        self.key_projection = nn.Parameter(torch.empty(shape))
+        self.value_projection = nn.Parameter(torch.empty(shape)) if separate_values else None
+
+    def init_parameters(self, config: ZooLinformerConfig) -> None:
+        # a slot sums up to n projected keys: std 1/sqrt(n) keeps its scale that of one key
+        std = config.max_position_embeddings**-0.5
+        init.normal_(self.key_projection, mean=0.0, std=std)
+        if self.value_projection is not None:
+            init.normal_(self.value_projection, mean=0.0, std=std)
+
+    def columns(self, positions: torch.LongTensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns of E and F at `positions` `(B, T)`, zero for padding: `(B, P, k, T)` each."""
+
+        def gather(projection: torch.Tensor) -> torch.Tensor:
+            cols = projection[:, :, positions].permute(2, 0, 1, 3)  # (P, k, B, T) -> (B, P, k, T)
+            return cols if valid is None else cols * valid[:, None, None, :].to(cols.dtype)
+
+        keys = gather(self.key_projection)
+        return keys, keys if self.value_projection is None else gather(self.value_projection)
+
+
+class ZooLinformerAttention(ZooMultiHeadAttention):
+    """GQA projections (and RoPE); keys and values compressed into `linformer_k` slots."""
+
+    mask_type = "padding"
+    reads_positions = True
+
+    def __init__(self, config: ZooLinformerConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        sharing = config.linformer_sharing
+        self.projection = (
+            None
+            if sharing == "layerwise"
+            else LinformerProjection(config, per_head=sharing == "none", separate_values=sharing != "key_value")
+        )
+        self.borrowed_projection: tuple[LinformerProjection, ...] = ()  # layerwise: the model's, kept out of the tree
+
+    @property
+    def linformer_projection(self) -> LinformerProjection:
+        return self.projection if self.projection is not None else self.borrowed_projection[0]
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, G, T, d) x 2
+        positions = kwargs["position_ids"].expand(batch, -1)  # (B, T) true positions
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond max_position_embeddings="
+                f"{self.config.max_position_embeddings}, the width of Linformer's E and F; shorten the input or "
+                f"build the model with a larger max_position_embeddings."
+            )
+        valid = attention_mask[:, -length:].bool() if attention_mask is not None else None  # (B, T)
+        key_columns, value_columns = self.linformer_projection.columns(positions, valid)  # (B, P, k, T) x 2
+        layer = state_layer(past_key_values, self.layer_idx, self.config.model_type)
+        weights = None
+        if self.config.is_causal:
+            output, state = self._causal(query, key, value, key_columns, value_columns, layer and layer.read())
+        else:
+            if layer is not None and layer.get_seq_length() > 0:
+                raise ValueError("linformer with is_causal=False sees the whole input at once: it cannot decode.")
+            output, weights = self._bidirectional(query, key, value, key_columns, value_columns)
+            state = {}
+        if layer is not None:
+            layer.write(state, length)
+        return self.o_proj(output.reshape(batch, length, -1)), weights
+
+    def _causal(self, query, key, value, key_columns, value_columns, state):
+        """Chunk by chunk: running (K̄, V̄) from earlier chunks plus exact prefix sums inside the chunk."""
+        batch, heads, length, head_dim = query.shape
+        kv_heads, slots = key.shape[1], key_columns.shape[2]
+        groups = heads // kv_heads
+        if state is None:
+            state = {name: query.new_zeros(batch, kv_heads, slots, head_dim) for name in ("keys", "values")}
+        compressed_keys, compressed_values = state["keys"], state["values"]  # (B, G, k, d)
+        key_columns = key_columns.expand(batch, kv_heads, -1, -1)  # (B, G, k, T): one E per head, or shared
+        value_columns = value_columns.expand(batch, kv_heads, -1, -1)
+        chunk = self.config.query_chunk_size
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=query.device).tril()
+        outputs = []
+        for start in range(0, length, chunk):
+            end = min(length, start + chunk)
+            size = end - start
+            within = causal[:size, :size]  # key s <= query t inside the chunk
+            # group query heads by their key/value head: (B, H, c, d) -> (B, G, H/G, c, d)
+            q = query[:, :, start:end].reshape(batch, kv_heads, groups, size, head_dim)
+            e = key_columns[:, :, None, :, start:end]  # (B, G, 1, k, c)
+            f = value_columns[:, :, None, :, start:end]
+            k, v = key[:, :, None, start:end], value[:, :, None, start:end]  # (B, G, 1, c, d)
+            # scores against slot j at step t: q_t·K̄_prev[j] + sum over s <= t in the chunk of E[j, s]·(q_t·k_s)
+            scores = q @ compressed_keys[:, :, None].transpose(-1, -2)  # (B, G, H/G, c, k)
+            scores = scores + (q @ k.transpose(-1, -2)).masked_fill(~within, 0.0) @ e.transpose(-1, -2)
+            probabilities = F.softmax(scores * self.scaling, dim=-1, dtype=torch.float32).to(query.dtype)
+            probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
+            # output: p_t·V̄_prev + sum over s <= t in the chunk of (p_t·F[:, s])·v_s
+            out = probabilities @ compressed_values[:, :, None]  # (B, G, H/G, c, d)
+            out = out + (probabilities @ f).masked_fill(~within, 0.0) @ v
+            outputs.append(out.reshape(batch, heads, size, head_dim))
+            compressed_keys = compressed_keys + e[:, :, 0] @ k[:, :, 0]  # (B, G, k, c) @ (B, G, c, d)
+            compressed_values = compressed_values + f[:, :, 0] @ v[:, :, 0]
+        output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
+        return output, {"keys": compressed_keys, "values": compressed_values}
+
+    def _bidirectional(self, query, key, value, key_columns, value_columns):
+        """The paper's form: K̄ = E·K and V̄ = F·V over the whole input."""
+        batch, heads, length, head_dim = query.shape
+        kv_heads = key.shape[1]
+        compressed_keys = key_columns @ key  # (B, P, k, T) @ (B, G, T, d) -> (B, G, k, d)
+        compressed_values = value_columns @ value
+        q = query.reshape(batch, kv_heads, heads // kv_heads, length, head_dim)  # (B, G, H/G, T, d)
+        scores = q @ compressed_keys[:, :, None].transpose(-1, -2) * self.scaling  # (B, G, H/G, T, k)
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        dropped = F.dropout(probabilities, self.attention_dropout, training=self.training)
+        output = (dropped @ compressed_values[:, :, None]).reshape(batch, heads, length, head_dim)
+        return output.transpose(1, 2), probabilities.reshape(batch, heads, length, -1)
+
+
+class ZooLinformerModel(ZooModel):
+    config_class = ZooLinformerConfig
+    attention_class = ZooLinformerAttention
+
+    def share_across_layers(self) -> None:
+        if self.config.linformer_sharing != "layerwise":
+            return
+        # one E = F for every layer and head: it lives here, and each layer borrows it
+        self.shared_projection = LinformerProjection(self.config, per_head=False, separate_values=False)
+        for layer in self.layers:
+            layer.self_attn.borrowed_projection = (self.shared_projection,)
+
+    def make_cache(self) -> ZooStateCache:
+        return ZooStateCache(self.config.num_hidden_layers)
+
+
+class ZooLinformerForCausalLM(ZooForCausalLM):
+    config_class = ZooLinformerConfig
+    base_model_class = ZooLinformerModel
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        if not self.config.is_causal:
+            raise ValueError(
+                "this linformer has is_causal=False: its projection runs over the whole input, future included, so "
+                "it cannot generate; build it with is_causal=True."
+            )
+        return super().prepare_inputs_for_generation(*args, **kwargs)
+
+
+ZooLinformerConfig.register_for_auto_class()
+ZooLinformerModel.register_for_auto_class("AutoModel")
+ZooLinformerForCausalLM.register_for_auto_class("AutoModelForCausalLM")
