@@ -78,6 +78,25 @@ CONFORMANCE["linformer"] = {
     "reference": references.linformer_attention,
     "attentions": False,  # causal form: every step has its own compressed keys
 }
+CONFORMANCE["aft_full"] = {
+    "config": dict(aft_bias_rank=4, query_chunk_size=4),
+    "invalid": [(dict(aft_bias_rank=0), "aft_bias_rank"), (dict(num_attention_heads=4), "num_attention_heads")],
+    "reference": references.aft_attention,
+    "attentions": False,  # AFT has no attention weights
+}
+CONFORMANCE["aft_local"] = {
+    # a window of 3 positions inside chunks of 4: window keys carried across chunks and folded into the sums
+    "config": dict(aft_bias_rank=4, aft_window=3, query_chunk_size=4),
+    "invalid": [(dict(aft_window=0), "aft_window"), (dict(aft_window=65, max_position_embeddings=64), "aft_window")],
+    "reference": references.aft_attention,
+    "attentions": False,
+}
+CONFORMANCE["aft_simple"] = {
+    "config": dict(query_chunk_size=4),
+    "invalid": [(dict(query_chunk_size=0), "query_chunk_size"), (dict(num_key_value_heads=2), "num_key_value_heads")],
+    "reference": references.aft_attention,
+    "attentions": False,
+}
 
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")

@@ -140,6 +140,34 @@ def linformer_attention(attn, hidden, positions, attention_mask, config):
     return attn.o_proj(out.reshape(batch, length, heads * head_dim))
 
 
+def aft_attention(attn, hidden, positions, attention_mask, config):
+    """Zhai et al. 2021, causal, in float64: y_t = sigmoid(q_t) * sum_{s <= t} exp(k_s + w_ts) v_s / sum of the
+    weights, with w_ts = u[pos_t]·v[pos_s] (AFT-full), the same only when pos_t - pos_s < window and 0 otherwise
+    (AFT-local), and 0 (AFT-simple). Padding tokens take no part."""
+    batch, length, width = hidden.shape
+    q, k, v = attn.q_proj(hidden), attn.k_proj(hidden).double(), attn.v_proj(hidden).double()
+    out = torch.zeros(batch, length, width, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(length):
+            if not attention_mask[b, t]:
+                continue
+            numerator = torch.zeros(width, dtype=torch.float64)
+            denominator = torch.zeros(width, dtype=torch.float64)
+            for s in range(t + 1):
+                if not attention_mask[b, s]:
+                    continue
+                w = 0.0
+                near = config.aft_mode == "local" and positions[b, t] - positions[b, s] < config.aft_window
+                if config.aft_mode == "full" or near:
+                    u_t = attn.position_bias_u.weight[positions[b, t]].double()
+                    w = u_t @ attn.position_bias_v.weight[positions[b, s]].double()
+                weight = torch.exp(k[b, s] + w)
+                numerator += weight * v[b, s]
+                denominator += weight
+            out[b, t] = torch.sigmoid(q[b, t]).double() * numerator / denominator
+    return attn.o_proj(out.float())
+
+
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):
     """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
     config = model.config

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from . import additive, linformer, mha, sliding_window, topk
+from . import additive, aft, linformer, mha, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .modeling_zoo import ZooForCausalLM, ZooModel, ZooPreTrainedModel
 
@@ -82,10 +82,12 @@ register_variant("mqa", mha.ZooMQAForCausalLM)
 register_variant("gqa", mha.ZooGQAForCausalLM)
 register_variant("single_head", mha.ZooSingleHeadForCausalLM)
 register_variant("sliding_window", sliding_window.ZooSlidingWindowForCausalLM)
-register_variant("topk", topk.ZooTopKForCausalLM)
 register_variant("linformer", linformer.ZooLinformerForCausalLM)
+register_variant("aft_full", aft.ZooAFTFullForCausalLM)
+register_variant("aft_local", aft.ZooAFTLocalForCausalLM)
+register_variant("aft_simple", aft.ZooAFTSimpleForCausalLM)
+register_variant("topk", topk.ZooTopKForCausalLM)
 register_variant("additive", additive.ZooAdditiveForCausalLM)
-
 
 def get_variant(name_or_model_type: str) -> ZooVariant:
     """Look a variant up by registry name (`gqa`) or model type (`zoo_gqa`)."""
