@@ -2,6 +2,7 @@
 
     hf-attn-zoo list                      the registered variants
     hf-attn-zoo bench llama [options]     speed of a variant against LlamaForCausalLM at the same size
+    hf-attn-zoo bench scaling [options]   time, memory and cache of every variant against sequence length
     hf-attn-zoo demo [options]            the main job: build, generate, score and save a model
 
 Options of each command are the fields of a dataclass, parsed by transformers' `HfArgumentParser`
@@ -39,6 +40,7 @@ def _options(namespace: argparse.Namespace, options_class: type):
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .demo import DemoOptions, run_demo
+    from .evaluation.scaling import ScalingSetup, run_scaling
     from .evaluation.speed import SpeedSetup, compare_with_llama
 
     parser = argparse.ArgumentParser(prog="hf-attn-zoo", description=__doc__.split("\n\n")[0])
@@ -49,12 +51,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     about = "training and generate() tokens/s of a variant against LlamaForCausalLM at the same size"
     llama = benchmarks.add_parser("llama", help=about, description=about, dataclass_types=[SpeedSetup])
     llama.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the tables go")
+    about = "forward time, peak memory and decoding cache of every variant against sequence length"
+    scaling = benchmarks.add_parser("scaling", help=about, description=about, dataclass_types=[ScalingSetup])
+    scaling.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the results go")
     about = "build a model, generate a sample, score it, save it"
     commands.add_parser("demo", help=about, description=about, dataclass_types=[DemoOptions])
     args = parser.parse_args(argv)
 
     if args.command == "list":
         print(variant_table())
+    elif args.command == "bench" and args.benchmark == "scaling":
+        run_scaling(_options(args, ScalingSetup), args.output_dir)
     elif args.command == "bench":
         report = compare_with_llama(_options(args, SpeedSetup))
         print(report.table())

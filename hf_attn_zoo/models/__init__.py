@@ -89,6 +89,7 @@ register_variant("aft_simple", aft.ZooAFTSimpleForCausalLM)
 register_variant("topk", topk.ZooTopKForCausalLM)
 register_variant("additive", additive.ZooAdditiveForCausalLM)
 
+
 def get_variant(name_or_model_type: str) -> ZooVariant:
     """Look a variant up by registry name (`gqa`) or model type (`zoo_gqa`)."""
     for variant in VARIANTS.values():

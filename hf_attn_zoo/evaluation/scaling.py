@@ -1,0 +1,242 @@
+"""How every variant scales with sequence length: forward time, peak memory, decoding cache.
+
+Forward: the base model (no LM head, which is the same for all) on one sequence of T tokens, T from 512 to 8192, no
+cache; the time is the best of a few runs, the peak memory is the growth of the process' resident set during one
+forward (Linux: the kernel's high-water mark is reset before it, `/proc/self/clear_refs`, and glibc is made to
+return freed blocks at once with `MALLOC_MMAP_THRESHOLD_`, so the figure is what the forward really holds at its
+peak). The scaling exponent is the least-squares slope of log(time) against log(T). A variant stops growing T when
+its next length could take longer than the time budget at quadratic growth.
+
+Decoding: bytes held by the cache after generating `decode_tokens` tokens from a short prompt, measured by adding up
+the tensors the cache holds.
+
+The measurements run in a child process (so the allocator setting applies from its start); the parent writes a
+markdown table, a JSON file and, with matplotlib installed, a log-log plot.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models import VARIANTS, get_variant
+
+# Per-variant settings of the benchmark model (beyond the shared size): head counts and each variant's own knobs.
+VARIANT_SETTINGS = {
+    "mha": dict(num_attention_heads=8),
+    "mqa": dict(num_attention_heads=8),
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
+    "single_head": dict(),
+    "sliding_window": dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=256),
+    "linformer": dict(num_attention_heads=8, num_key_value_heads=2, linformer_k=64),
+    "aft_full": dict(aft_bias_rank=64),
+    "aft_local": dict(aft_bias_rank=64, aft_window=64),
+    "aft_simple": dict(),
+    "topk": dict(num_attention_heads=8, num_key_value_heads=2, topk=32),
+    "additive": dict(num_attention_heads=8, additive_dim=32),
+}
+
+
+@dataclass
+class ScalingSetup:
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={"help": "variants to measure"})
+    lengths: list[int] = field(
+        default_factory=lambda: [512, 1024, 2048, 4096, 8192], metadata={"help": "sequence lengths"}
+    )
+    hidden_size: int = field(default=256, metadata={"help": "model width"})
+    num_hidden_layers: int = field(default=6, metadata={"help": "layers"})
+    vocab_size: int = field(default=16384, metadata={"help": "vocabulary"})
+    runs: int = field(default=2, metadata={"help": "timed forwards per length; the fastest counts"})
+    time_budget_s: float = field(
+        default=60.0, metadata={"help": "stop at a length whose forward could take longer at the next (quadratic) one"}
+    )
+    decode_tokens: int = field(default=1024, metadata={"help": "tokens generated before the cache is measured"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+
+
+def benchmark_model(name: str, setup: ScalingSetup, max_length: int):
+    variant = get_variant(name)
+    config = variant.config(
+        vocab_size=setup.vocab_size,
+        hidden_size=setup.hidden_size,
+        num_hidden_layers=setup.num_hidden_layers,
+        max_position_embeddings=max_length,
+        **VARIANT_SETTINGS.get(name, {}),
+    )
+    torch.manual_seed(0)
+    attn = "sdpa" if variant.causal_lm_class._supports_sdpa else "eager"
+    return variant.causal_lm_class._from_config(config, attn_implementation=attn).eval()
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of every tensor a transformers `Cache` holds (key/value layers or zoo state layers)."""
+    total = 0
+    for layer in cache.layers:
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes()
+        else:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
+    return total
+
+
+def _memory_status(key: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{key}:\s+(\d+) kB", status.read()).group(1)) * 1024
+
+
+def _reset_peak_memory() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # reset the resident set's high-water mark (VmHWM)
+
+
+@torch.inference_mode()
+def measure_forward(model, length: int, runs: int) -> tuple[float, int]:
+    """(seconds of the fastest forward, bytes the resident set grew by during the first one)."""
+    input_ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    baseline = _memory_status("VmRSS")
+    _reset_peak_memory()
+    best = math.inf
+    for run in range(runs):
+        start = time.perf_counter()
+        model.model(input_ids, use_cache=False)
+        best = min(best, time.perf_counter() - start)
+        if run == 0:
+            peak = _memory_status("VmHWM") - baseline
+    return best, peak
+
+
+@torch.inference_mode()
+def measure_decode_cache(model, tokens: int) -> int:
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    out = model.generate(
+        prompt,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
+    return cache_nbytes(out.past_key_values)
+
+
+def measure(setup: ScalingSetup, log=print) -> dict:
+    """All measurements, in this process (use `run_scaling` for the allocator setting)."""
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    results = {}
+    for name in setup.variants:
+        model = benchmark_model(name, setup, max_length=max(max(setup.lengths), setup.decode_tokens + 16))
+        measure_forward(model, 128, 1)  # warm-up: lazy initialisation, first allocations
+        rows = []
+        for length in setup.lengths:
+            seconds, peak = measure_forward(model, length, setup.runs)
+            rows.append({"length": length, "seconds": seconds, "peak_bytes": peak})
+            log(f"{name:15s} T={length:5d}: {seconds:8.3f} s, peak {peak / 2**20:8.1f} MiB")
+            next_lengths = [n for n in setup.lengths if n > length]
+            if next_lengths and seconds * (next_lengths[0] / length) ** 2 > setup.time_budget_s:
+                break  # the next length could take 4x as long: over the budget
+        cache = measure_decode_cache(model, setup.decode_tokens)
+        results[name] = {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "forward": rows,
+            "cache_bytes": cache,
+            "cached_tokens": 16 + setup.decode_tokens - 1,
+        }
+        log(f"{name:15s} cache after {setup.decode_tokens} generated tokens: {cache / 2**10:.1f} KiB")
+    return results
+
+
+def exponent(rows: list[dict], key: str = "seconds") -> float:
+    """Least-squares slope of log(value) against log(length)."""
+    xs = [math.log(row["length"]) for row in rows]
+    ys = [math.log(max(row[key], 1e-12)) for row in rows]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    covariance = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+    return covariance / sum((x - mean_x) ** 2 for x in xs)
+
+
+def table(results: dict, setup: ScalingSetup) -> str:
+    lengths = setup.lengths
+    header = " | ".join(f"T={n}" for n in lengths)
+    lines = [
+        f"Forward time in seconds and peak memory in MiB (batch 1, {setup.num_hidden_layers} layers x "
+        f"{setup.hidden_size}, base model without the LM head, {torch.get_num_threads()} threads; — : over the time "
+        f"budget), fitted exponents, and the decoding cache after {setup.decode_tokens} generated tokens.",
+        "",
+        f"| variant | params | {header} | time exp. | memory exp. | cache (KiB) | cache bytes/token |",
+        "| --- | ---: | " + " | ".join("---:" for _ in lengths) + " | ---: | ---: | ---: | ---: |",
+    ]
+    for name, result in results.items():
+        by_length = {row["length"]: row for row in result["forward"]}
+        cells = [
+            f"{by_length[n]['seconds']:.2f} s / {by_length[n]['peak_bytes'] / 2**20:.0f}" if n in by_length else "—"
+            for n in lengths
+        ]
+        rows = result["forward"]
+        time_exponent = f"{exponent(rows):.2f}" if len(rows) >= 2 else "—"
+        measurable = len(rows) >= 2 and all(row["peak_bytes"] >= 2**20 for row in rows)  # below 1 MiB is noise
+        exponents = f"{time_exponent} | {exponent(rows, 'peak_bytes'):.2f}" if measurable else f"{time_exponent} | —"
+        cache = result["cache_bytes"]
+        lines.append(
+            f"| `{name}` | {result['parameters'] / 1e6:.1f}M | {' | '.join(cells)} | {exponents} "
+            f"| {cache / 2**10:,.0f} | {cache / result['cached_tokens']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+    except ImportError:
+        return False
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for name, result in results.items():
+        rows = result["forward"]
+        lengths = [row["length"] for row in rows]
+        label = f"{name} ({exponent(rows):.2f})"
+        time_axis.loglog(lengths, [row["seconds"] for row in rows], marker="o", label=label)
+        memory_axis.loglog(lengths, [row["peak_bytes"] / 2**20 for row in rows], marker="o", label=name)
+    time_axis.set(xlabel="sequence length T", ylabel="forward time (s)", title="forward time (fitted exponent)")
+    memory_axis.set(xlabel="sequence length T", ylabel="peak memory (MiB)", title="peak memory of the forward")
+    for axis in (time_axis, memory_axis):
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def run_scaling(setup: ScalingSetup, output_dir: Path, log=print) -> dict:
+    """Measure in a child process with glibc returning freed memory at once; write table, JSON and plot."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    child = subprocess.run(
+        [sys.executable, "-m", "hf_attn_zoo.evaluation.scaling", json.dumps(asdict(setup))],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    results = json.loads(child.stdout.strip().splitlines()[-1])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "scaling.md").write_text(table(results, setup) + "\n")
+    (output_dir / "scaling.json").write_text(json.dumps({"setup": asdict(setup), "results": results}, indent=2))
+    plotted = plot(results, output_dir / "scaling.png")
+    log(table(results, setup))
+    log(f"written to {output_dir}/scaling.md, scaling.json" + (", scaling.png" if plotted else " (no matplotlib)"))
+    return results
+
+
+if __name__ == "__main__":  # the child process of `run_scaling`: progress on stderr, results as JSON on stdout
+    results = measure(ScalingSetup(**json.loads(sys.argv[1])), log=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(results))
