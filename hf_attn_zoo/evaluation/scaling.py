@@ -1,17 +1,18 @@
 """How every variant scales with sequence length: forward time, peak memory, decoding cache.
 
 Forward: the base model (no LM head, which is the same for all) on one sequence of T tokens, T from 512 to 8192, no
-cache; the time is the best of a few runs, the peak memory is the growth of the process' resident set during one
-forward (Linux: the kernel's high-water mark is reset before it, `/proc/self/clear_refs`, and glibc is made to
-return freed blocks at once with `MALLOC_MMAP_THRESHOLD_`, so the figure is what the forward really holds at its
-peak). The scaling exponent is the least-squares slope of log(time) against log(T). A variant stops growing T when
-its next length could take longer than the time budget at quadratic growth.
+cache. The time is the best of a few runs after a warm-up at the same length. The peak memory is the growth of the
+process' resident set during one forward, in a second process where glibc returns freed blocks at once
+(`MALLOC_MMAP_THRESHOLD_`) and the kernel's high-water mark is reset before the forward (`/proc/self/clear_refs`,
+Linux), so the figure is what the forward really holds at its peak. Timing runs with the normal allocator, since
+that setting makes every large allocation fault its pages in anew. The scaling exponent is the least-squares slope
+of log(time) against log(T). A variant stops growing T when its next length could take longer than the time budget
+at quadratic growth; the memory pass measures the same lengths.
 
 Decoding: bytes held by the cache after generating `decode_tokens` tokens from a short prompt, measured by adding up
 the tensors the cache holds.
 
-The measurements run in a child process (so the allocator setting applies from its start); the parent writes a
-markdown table, a JSON file and, with matplotlib installed, a log-log plot.
+The parent writes a markdown table, a JSON file and, with matplotlib installed, a log-log plot.
 """
 
 import json
@@ -96,20 +97,32 @@ def _reset_peak_memory() -> None:
         clear_refs.write("5")  # reset the resident set's high-water mark (VmHWM)
 
 
+def _input(model, length: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+
+
 @torch.inference_mode()
-def measure_forward(model, length: int, runs: int) -> tuple[float, int]:
-    """(seconds of the fastest forward, bytes the resident set grew by during the first one)."""
-    input_ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-    baseline = _memory_status("VmRSS")
-    _reset_peak_memory()
+def time_forward(model, length: int, runs: int) -> float:
+    """Seconds of the fastest of `runs` forwards, after one warm-up forward at the same length."""
+    input_ids = _input(model, length)
+    model.model(input_ids, use_cache=False)
     best = math.inf
-    for run in range(runs):
+    for _ in range(runs):
         start = time.perf_counter()
         model.model(input_ids, use_cache=False)
         best = min(best, time.perf_counter() - start)
-        if run == 0:
-            peak = _memory_status("VmHWM") - baseline
-    return best, peak
+    return best
+
+
+@torch.inference_mode()
+def peak_memory_of_forward(model, length: int) -> int:
+    """Bytes the resident set grew by at the peak of one forward (run with `MALLOC_MMAP_THRESHOLD_` set)."""
+    input_ids = _input(model, length)
+    model.model(input_ids[:, :64], use_cache=False)  # first-call allocations out of the way
+    baseline = _memory_status("VmRSS")
+    _reset_peak_memory()
+    model.model(input_ids, use_cache=False)
+    return _memory_status("VmHWM") - baseline
 
 
 @torch.inference_mode()
@@ -126,19 +139,18 @@ def measure_decode_cache(model, tokens: int) -> int:
     return cache_nbytes(out.past_key_values)
 
 
-def measure(setup: ScalingSetup, log=print) -> dict:
-    """All measurements, in this process (use `run_scaling` for the allocator setting)."""
+def measure_time(setup: ScalingSetup, log=print) -> dict:
+    """Forward times (up to the budget) and decoding caches of every variant, in this process."""
     if setup.threads:
         torch.set_num_threads(setup.threads)
     results = {}
     for name in setup.variants:
         model = benchmark_model(name, setup, max_length=max(max(setup.lengths), setup.decode_tokens + 16))
-        measure_forward(model, 128, 1)  # warm-up: lazy initialisation, first allocations
         rows = []
         for length in setup.lengths:
-            seconds, peak = measure_forward(model, length, setup.runs)
-            rows.append({"length": length, "seconds": seconds, "peak_bytes": peak})
-            log(f"{name:15s} T={length:5d}: {seconds:8.3f} s, peak {peak / 2**20:8.1f} MiB")
+            seconds = time_forward(model, length, setup.runs)
+            rows.append({"length": length, "seconds": seconds})
+            log(f"{name:15s} T={length:5d}: {seconds:8.3f} s")
             next_lengths = [n for n in setup.lengths if n > length]
             if next_lengths and seconds * (next_lengths[0] / length) ** 2 > setup.time_budget_s:
                 break  # the next length could take 4x as long: over the budget
@@ -151,6 +163,18 @@ def measure(setup: ScalingSetup, log=print) -> dict:
         }
         log(f"{name:15s} cache after {setup.decode_tokens} generated tokens: {cache / 2**10:.1f} KiB")
     return results
+
+
+def measure_memory(setup: ScalingSetup, lengths: dict[str, list[int]], log=print) -> dict[str, list[int]]:
+    """Peak bytes of one forward per variant and length, in this process (started with `MALLOC_MMAP_THRESHOLD_`)."""
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    peaks = {}
+    for name, variant_lengths in lengths.items():
+        model = benchmark_model(name, setup, max_length=max(setup.lengths))
+        peaks[name] = [peak_memory_of_forward(model, length) for length in variant_lengths]
+        log(f"{name:15s} peak MiB: " + ", ".join(f"{peak / 2**20:.1f}" for peak in peaks[name]))
+    return peaks
 
 
 def exponent(rows: list[dict], key: str = "seconds") -> float:
@@ -200,12 +224,14 @@ def plot(results: dict, path: Path) -> bool:
     except ImportError:
         return False
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
-    for name, result in results.items():
+    colours = plt.get_cmap("tab20").colors
+    for index, (name, result) in enumerate(results.items()):
         rows = result["forward"]
         lengths = [row["length"] for row in rows]
+        style = dict(color=colours[(2 * index) % 20 + (index >= 10)], marker="os^Dv<>p*hX"[index % 11])
         label = f"{name} ({exponent(rows):.2f})"
-        time_axis.loglog(lengths, [row["seconds"] for row in rows], marker="o", label=label)
-        memory_axis.loglog(lengths, [row["peak_bytes"] / 2**20 for row in rows], marker="o", label=name)
+        time_axis.loglog(lengths, [row["seconds"] for row in rows], label=label, **style)
+        memory_axis.loglog(lengths, [row["peak_bytes"] / 2**20 for row in rows], label=name, **style)
     time_axis.set(xlabel="sequence length T", ylabel="forward time (s)", title="forward time (fitted exponent)")
     memory_axis.set(xlabel="sequence length T", ylabel="peak memory (MiB)", title="peak memory of the forward")
     for axis in (time_axis, memory_axis):
@@ -217,17 +243,22 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
+def _child(task: str, payload: dict, env: dict) -> dict:
+    command = [sys.executable, "-m", "hf_attn_zoo.evaluation.scaling", task, json.dumps(payload)]
+    child = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def run_scaling(setup: ScalingSetup, output_dir: Path, log=print) -> dict:
-    """Measure in a child process with glibc returning freed memory at once; write table, JSON and plot."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    child = subprocess.run(
-        [sys.executable, "-m", "hf_attn_zoo.evaluation.scaling", json.dumps(asdict(setup))],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-    )
-    results = json.loads(child.stdout.strip().splitlines()[-1])
+    """Times in one child process, peak memory in another with glibc returning freed memory at once; then the
+    table, the JSON and the plot."""
+    results = _child("time", {"setup": asdict(setup)}, dict(os.environ))
+    lengths = {name: [row["length"] for row in result["forward"]] for name, result in results.items()}
+    memory_env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    peaks = _child("memory", {"setup": asdict(setup), "lengths": lengths}, memory_env)
+    for name, result in results.items():
+        for row, peak in zip(result["forward"], peaks[name]):
+            row["peak_bytes"] = peak
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "scaling.md").write_text(table(results, setup) + "\n")
     (output_dir / "scaling.json").write_text(json.dumps({"setup": asdict(setup), "results": results}, indent=2))
@@ -237,6 +268,10 @@ def run_scaling(setup: ScalingSetup, output_dir: Path, log=print) -> dict:
     return results
 
 
-if __name__ == "__main__":  # the child process of `run_scaling`: progress on stderr, results as JSON on stdout
-    results = measure(ScalingSetup(**json.loads(sys.argv[1])), log=lambda line: print(line, file=sys.stderr))
-    print(json.dumps(results))
+if __name__ == "__main__":  # the child processes of `run_scaling`: progress on stderr, results as JSON on stdout
+    task, payload = sys.argv[1], json.loads(sys.argv[2])
+    progress = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if task == "time":
+        print(json.dumps(measure_time(ScalingSetup(**payload["setup"]), log=progress)))
+    else:
+        print(json.dumps(measure_memory(ScalingSetup(**payload["setup"]), payload["lengths"], log=progress)))

@@ -43,20 +43,38 @@ class ZooTopKAttention(ZooMultiHeadAttention):
         # (B, G, S, d) -> (B, H, S, d): each query head reads its group's key/value head
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         keep, chunk = self.config.topk, self.config.query_chunk_size
+        if keep >= key.shape[2]:  # every visible key is kept: plain softmax attention, in eager's order of operations
+            return self._dense(query, key, value, attention_mask, kwargs.get("output_attentions"))
+        batch, heads, key_length, head_dim = value.shape
         outputs, weights = [], []
         for start in range(0, query.shape[2], chunk):
             end = min(query.shape[2], start + chunk)
+            visible = attention_mask.past_length + end  # keys after the chunk's last query are never seen: skip them
+            scaled_query = query[:, :, start:end] * self.scaling
+            scores = torch.matmul(scaled_query, key[:, :, :visible].transpose(2, 3))  # (B, H, C, K)
+            scores += attention_mask.additive(start, end, scores.dtype, k_end=visible)
+            kept, index = scores.topk(min(keep, visible), dim=-1)  # (B, H, C, k)
+            probabilities = F.softmax(kept, dim=-1, dtype=torch.float32).to(query.dtype)
+            probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
+            # only the kept values: (B, H, S, d) gathered at (B, H, C*k) -> (B, H, C, k, d)
+            chosen = value.gather(2, index.reshape(batch, heads, -1, 1).expand(-1, -1, -1, head_dim))
+            chosen = chosen.view(batch, heads, end - start, index.shape[-1], head_dim)
+            outputs.append(torch.einsum("bhck,bhckd->bhcd", probabilities, chosen))
+            if kwargs.get("output_attentions"):  # the full (C, S) matrix only when asked for
+                weights.append(scores.new_zeros(*scores.shape[:-1], key_length).scatter_(-1, index, probabilities))
+        attn_output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
+        return attn_output, torch.cat(weights, dim=2) if weights else None
+
+    def _dense(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
+        outputs, weights = [], []
+        for start in range(0, query.shape[2], self.config.query_chunk_size):
+            end = min(query.shape[2], start + self.config.query_chunk_size)
             scores = torch.matmul(query[:, :, start:end], key.transpose(2, 3)) * self.scaling  # (B, H, C, S)
             scores = scores + attention_mask.additive(start, end, scores.dtype)
-            if keep < scores.shape[-1]:
-                kept, index = scores.topk(keep, dim=-1)  # (B, H, C, k)
-                kept = F.softmax(kept, dim=-1, dtype=torch.float32).to(query.dtype)
-                probabilities = torch.zeros_like(scores).scatter_(-1, index, kept)  # zeros outside the top k
-            else:
-                probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
             outputs.append(torch.matmul(probabilities, value))  # (B, H, C, d)
-            if kwargs.get("output_attentions"):
+            if output_attentions:
                 weights.append(probabilities)
         attn_output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
         return attn_output, torch.cat(weights, dim=2) if weights else None

@@ -1,0 +1,49 @@
+"""The scaling benchmark's pieces: the exponent fit, cache accounting, and a smoke run of the command."""
+
+import json
+
+import pytest
+
+from hf_attn_zoo.cli import main
+from hf_attn_zoo.evaluation.scaling import ScalingSetup, benchmark_model, exponent, measure_decode_cache
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, vocab_size=64)
+
+
+def test_exponent_recovers_power_laws():
+    for power in (1.0, 1.5, 2.0):
+        rows = [{"length": n, "seconds": 3e-4 * n**power} for n in (512, 1024, 2048, 4096)]
+        assert exponent(rows) == pytest.approx(power)
+
+
+def test_cache_bytes_follow_the_head_counts():
+    setup = ScalingSetup(**TINY)
+    measured = {name: measure_decode_cache(benchmark_model(name, setup, 64), 12) for name in ("mha", "mqa", "gqa")}
+    heads = 8  # mha: 8 KV heads, gqa: 2, mqa: 1
+    assert measured["mha"] == heads * measured["mqa"]
+    assert measured["gqa"] == 2 * measured["mqa"]
+    tokens, layers, head_dim = 16 + 12 - 1, 2, 32 // heads
+    assert measured["mqa"] == 2 * layers * 1 * head_dim * tokens * 4  # keys + values, float32
+
+
+@pytest.mark.parametrize("name", ["aft_simple", "linformer", "aft_local", "sliding_window"])
+def test_state_and_window_caches_stop_growing(name):
+    setup = ScalingSetup(**TINY)
+    model = benchmark_model(name, setup, 512)
+    window = {"aft_local": 64, "sliding_window": 256}.get(name, 0)
+    short, long = measure_decode_cache(model, window + 20), measure_decode_cache(model, window + 60)
+    assert short == long
+
+
+def test_bench_scaling_command_writes_table_json_and_exponents(tmp_path):
+    args = ["bench", "scaling", "--variants", "gqa", "aft_simple", "--lengths", "32", "64", "--decode_tokens", "4"]
+    args += ["--hidden_size", "32", "--num_hidden_layers", "1", "--vocab_size", "64", "--runs", "1"]
+    assert main([*args, "--output_dir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "scaling.json").read_text())["results"]
+    assert set(results) == {"gqa", "aft_simple"}
+    for result in results.values():
+        assert [row["length"] for row in result["forward"]] == [32, 64]
+        assert all(row["seconds"] > 0 and row["peak_bytes"] >= 0 for row in result["forward"])
+        assert result["cache_bytes"] > 0
+    table = (tmp_path / "scaling.md").read_text()
+    assert "| `gqa` |" in table and "| `aft_simple` |" in table
