@@ -16,7 +16,7 @@ if importlib.util.find_spec("flash_attn") is not None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "sliding_window"])
 def test_gpu_backends_match_eager(name, backend):
     config = tiny_config(name, "rope", hidden_size=128, num_attention_heads=4)
     torch.manual_seed(0)
