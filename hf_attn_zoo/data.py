@@ -1,19 +1,70 @@
-"""Text and tokenizers that need no download.
+"""Text -> tokens -> packed blocks, with `datasets` and `tokenizers`, nothing downloaded unless asked for.
 
-- `byte_level_tokenizer()`: a `PreTrainedTokenizerFast` over the 256 bytes (GPT-2's byte-to-unicode alphabet) plus
-  special tokens; it encodes any text losslessly and is saved and reloaded like any transformers tokenizer.
-- `stdlib_corpus_files()`: Python's own standard-library sources, located through `sysconfig`: real text present on
-  every machine that runs this package, used when no corpus is given.
+- Text: local files (`.txt`, `.py`, any text: one document per file; `.jsonl`/`.json`: one document per record, the
+  `text_field`), directories of them, or a `datasets` dataset by name when a hub is reachable. With nothing given,
+  Python's own standard-library sources (`stdlib_corpus_files`): a real corpus present on every machine.
+- Split: explicit validation files, or a deterministic split of the documents (`validation_fraction`, `seed`).
+- Tokenizer: an existing one (path or name), or a byte-level BPE trained on the training text (`vocab_size`); ids
+  0-255 of the byte-level alphabet are GPT-2's byte symbols, `<|endoftext|>` is BOS/EOS and separates documents.
+- Packing: documents are tokenized in parallel (`Dataset.map`), joined with EOS and cut into blocks of
+  `block_size` tokens (the last partial block is dropped), `labels` equal to `input_ids`.
 """
 
+import math
 import sysconfig
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 END_OF_TEXT = "<|endoftext|>"
 PAD = "<|pad|>"
+TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".text"}
+JSON_SUFFIXES = {".jsonl", ".json"}
+
+
+@dataclass
+class DataArguments:
+    """Where the text comes from and how it becomes training blocks."""
+
+    train_files: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "text files or directories (.txt/.py/... one document per file, .jsonl one per record); "
+            "empty: Python's standard-library sources"
+        },
+    )
+    validation_files: list[str] = field(
+        default_factory=list, metadata={"help": "held-out files; empty: a split of the training documents"}
+    )
+    validation_fraction: float = field(
+        default=0.05, metadata={"help": "share of the training documents held out when no validation files"}
+    )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "a `datasets` dataset to load instead of files (needs a reachable hub)"}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "its configuration name"})
+    text_field: str = field(default="text", metadata={"help": "the text column of .jsonl files and datasets"})
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "tokenizer path or name; empty: train a byte-level BPE on the training text"}
+    )
+    vocab_size: int = field(default=8192, metadata={"help": "vocabulary of the trained BPE (>= 258)"})
+    block_size: int = field(default=256, metadata={"help": "tokens per training block"})
+    max_documents: int | None = field(
+        default=None, metadata={"help": "use only the first N documents of each split (quick runs)"}
+    )
+    num_proc: int | None = field(default=None, metadata={"help": "processes for tokenization (default: one)"})
+    seed: int = field(default=0, metadata={"help": "seed of the train/validation split"})
+
+    def __post_init__(self):
+        if not 0 < self.validation_fraction < 1:
+            raise ValueError(f"data.validation_fraction must be in (0, 1), got {self.validation_fraction}.")
+        if self.block_size < 2:
+            raise ValueError(f"data.block_size must be at least 2, got {self.block_size}.")
+        if self.tokenizer is None and self.vocab_size < 258:
+            raise ValueError(f"data.vocab_size must be >= 258 (256 bytes + 2 special tokens), got {self.vocab_size}.")
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -23,15 +74,35 @@ def byte_to_unicode() -> dict[int, str]:
     return {b: chr(b if b in printable else next(shifted)) for b in range(256)}
 
 
+def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT, pad_token=PAD, padding_side="left"
+    )
+
+
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: id b is byte b (0-255), then `<|endoftext|>` (BOS and EOS) and `<|pad|>`."""
+    """Byte-level tokenizer without merges: id b is byte b (0-255), then `<|endoftext|>` and `<|pad|>`."""
     vocab = {symbol: byte for byte, symbol in byte_to_unicode().items()}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT, pad_token=PAD, padding_side="left"
+    tokenizer.add_special_tokens([END_OF_TEXT, PAD])
+    return _wrap(tokenizer)
+
+
+def train_byte_level_bpe(texts, vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 pre-tokenization) trained on `texts` (an iterable of strings) with `tokenizers`."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return _wrap(tokenizer)
 
 
 def tokenizer_fields(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | None]:
@@ -52,3 +123,132 @@ def stdlib_corpus_files() -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no Python sources under {root}; pass your own text files instead")
     return sorted(files)
+
+
+def expand_files(paths: list[str], role: str) -> list[Path]:
+    """Files named or contained in `paths` (directories recursively, text and JSON lines files), sorted."""
+    files = []
+    for name in paths:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | JSON_SUFFIXES)
+            if not found:
+                raise ValueError(f"data.{role}: the directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}).")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"data.{role}: {path} does not exist; fix the path in the recipe.")
+    return files
+
+
+def load_documents(files: list[Path], text_field: str):
+    """A `datasets.Dataset` with one `text` per document: a whole text file, or one record of a JSON lines file."""
+    from datasets import concatenate_datasets, load_dataset
+
+    parts = []
+    text_files = [str(f) for f in files if f.suffix not in JSON_SUFFIXES]
+    json_files = [str(f) for f in files if f.suffix in JSON_SUFFIXES]
+    if text_files:
+        parts.append(load_dataset("text", data_files=text_files, sample_by="document", split="train"))
+    if json_files:
+        records = load_dataset("json", data_files=json_files, split="train")
+        if text_field not in records.column_names:
+            raise ValueError(
+                f"data.text_field={text_field!r} is not a field of {json_files[0]} (fields: {records.column_names})."
+            )
+        parts.append(records.select_columns([text_field]).rename_column(text_field, "text"))
+    return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def load_text_splits(args: DataArguments):
+    """`DatasetDict` with `train` and `validation` documents (column `text`)."""
+    from datasets import DatasetDict, load_dataset
+
+    if args.dataset_name is not None:
+        loaded = load_dataset(args.dataset_name, args.dataset_config)
+        if args.text_field != "text":
+            loaded = loaded.rename_column(args.text_field, "text")
+        train = loaded["train"]
+        validation = loaded["validation"] if "validation" in loaded else None
+    else:
+        train = (
+            load_documents(expand_files(args.train_files, "train_files"), args.text_field)
+            if args.train_files
+            else load_documents(stdlib_corpus_files(), "text")
+        )
+        validation = None
+        if args.validation_files:
+            validation = load_documents(expand_files(args.validation_files, "validation_files"), args.text_field)
+    train = train.filter(lambda record: bool(record["text"] and record["text"].strip()))
+    if len(train) == 0:
+        raise ValueError("the training corpus is empty: every document is blank; check data.train_files.")
+    if validation is None:
+        if len(train) < 2:
+            raise ValueError("one training document cannot be split; add data.validation_files or more documents.")
+        split = train.train_test_split(test_size=args.validation_fraction, seed=args.seed, shuffle=True)
+        train, validation = split["train"], split["test"]
+    if args.max_documents is not None:
+        train = train.select(range(min(args.max_documents, len(train))))
+        validation = validation.select(range(min(args.max_documents, len(validation))))
+    return DatasetDict(train=train, validation=validation)
+
+
+def build_tokenizer(args: DataArguments, train_documents) -> PreTrainedTokenizerBase:
+    if args.tokenizer is not None:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"data.tokenizer={args.tokenizer!r} has no EOS token to separate documents with.")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    batches = (train_documents[i : i + 256]["text"] for i in range(0, len(train_documents), 256))
+    return train_byte_level_bpe((text for batch in batches for text in batch), args.vocab_size)
+
+
+def pack_blocks(documents, tokenizer: PreTrainedTokenizerBase, block_size: int, num_proc: int | None = None):
+    """Tokenize documents in parallel, join them with EOS and cut blocks of `block_size` tokens."""
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [document + [eos] for document in ids]}
+
+    def group(batch):
+        stream = [token for document in batch["input_ids"] for token in document]
+        usable = len(stream) // block_size * block_size
+        blocks = [stream[i : i + block_size] for i in range(0, usable, block_size)]
+        return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+
+    tokens = documents.map(tokenize, batched=True, num_proc=num_proc, remove_columns=documents.column_names)
+    return tokens.map(group, batched=True, batch_size=1000, num_proc=num_proc)
+
+
+def prepare_data(args: DataArguments):
+    """(tokenizer, train blocks, validation blocks, unigram baseline perplexity of the validation blocks)."""
+    splits = load_text_splits(args)
+    tokenizer = build_tokenizer(args, splits["train"])
+    train = pack_blocks(splits["train"], tokenizer, args.block_size, args.num_proc)
+    validation = pack_blocks(splits["validation"], tokenizer, args.block_size, args.num_proc)
+    for name, blocks in (("training", train), ("validation", validation)):
+        if len(blocks) == 0:
+            raise ValueError(
+                f"the {name} text gives fewer than data.block_size={args.block_size} tokens: lower block_size or "
+                f"add text."
+            )
+    return tokenizer, train, validation, unigram_perplexity(train, validation, len(tokenizer))
+
+
+def unigram_perplexity(train_blocks, validation_blocks, vocab_size: int) -> float:
+    """Perplexity on the validation tokens of the training tokens' unigram distribution (add-one smoothed): the
+    baseline a language model must beat. Scored like the model: every token but each block's first."""
+    counts = Counter()
+    for block in train_blocks["input_ids"]:
+        counts.update(block)
+    total = sum(counts.values()) + vocab_size
+    nll, scored = 0.0, 0
+    for block in validation_blocks["input_ids"]:
+        for token in block[1:]:
+            nll -= math.log((counts[token] + 1) / total)
+            scored += 1
+    return math.exp(nll / scored)

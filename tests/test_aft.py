@@ -70,4 +70,4 @@ def test_local_state_holds_the_window_only():
     cache = model.generate(
         torch.randint(3, 90, (1, 20)), max_new_tokens=9, do_sample=False, return_dict_in_generate=True
     ).past_key_values
-    assert cache.layers[0].state["window_keys"].shape == (1, 3, 32)  # the last s - 1 keys
+    assert cache.layers[0].state["keys"].shape == (1, 3, 32)  # the last s - 1 keys

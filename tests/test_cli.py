@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_attn_zoo.cli import main
@@ -32,14 +31,20 @@ def test_bench_llama_writes_ratios(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_demo_generates_scores_and_saves(variant, tmp_path, capsys):
+def test_demo_trains_scores_generates_and_saves(variant, tmp_path, capsys):
     out = tmp_path / "demo"
-    args = ["--variant", variant, "--output_dir", str(out), "--max_new_tokens", "5", "--score_chars", "600"]
-    assert main(["demo", *args]) == 0
+    args = ["--variant", variant, "--output_dir", str(out), "--max_steps", "3", "--max_documents", "8"]
+    assert main(["demo", *args, "--max_new_tokens", "5"]) == 0
     printed = capsys.readouterr().out
-    perplexity = float(printed.split("perplexity on ")[1].split(": ")[1].split()[0])
-    assert math.isfinite(perplexity) and 1 < perplexity < 10 * 258  # untrained: about the vocabulary size
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    perplexity = float(printed.split("validation perplexity ")[1].split(";")[0])
+    baseline = float(printed.split("unigram baseline of the same data ")[1].split()[0])
+    assert math.isfinite(perplexity) and math.isfinite(baseline) and baseline > 1
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["variant"] == variant
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(out / "final"),
+        AutoTokenizer.from_pretrained(out / "final"),
+    )
     ids = tokenizer("def f():", return_tensors="pt").input_ids
     assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
-    assert torch.equal(ids[0], torch.tensor(list(b"def f():")))  # byte-level: id = byte
+    assert tokenizer.decode(ids[0]) == "def f():"

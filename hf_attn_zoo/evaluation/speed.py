@@ -171,3 +171,87 @@ def compare_with_llama(setup: SpeedSetup, log: Callable[[str], None] = print) ->
         ratios = (report.samples[m]["zoo"][-1] / report.samples[m]["llama"][-1] for m in metrics)
         log(f"repeat {repeat + 1}/{setup.repeats}: zoo / Llama " + ", ".join(f"{r:.3f}" for r in ratios))
     return report
+
+
+@dataclass
+class TrainingThroughputSetup:
+    """Every variant's preset against `LlamaForCausalLM` of the same width, depth, MLP and head counts."""
+
+    variants: list[str] = field(default_factory=list, metadata={"help": "variants (default: all registered)"})
+    size: str = field(default="small", metadata={"help": "preset of configs/models/<variant>.json"})
+    vocab_size: int = field(default=8192, metadata={"help": "vocabulary of both models"})
+    batch_size: int = field(default=8, metadata={"help": "training batch size"})
+    seq_len: int = field(default=256, metadata={"help": "training sequence length"})
+    steps: int = field(default=3, metadata={"help": "timed steps per sample; the fastest counts"})
+    repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
+
+
+def llama_like(config) -> LlamaConfig:
+    """The Llama config with a zoo config's width, depth, MLP, head counts and vocabulary."""
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attn_implementation="sdpa",
+    )
+
+
+def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], None] = print) -> list[dict]:
+    """Training tokens/s of each variant's preset and of the same-size Llama, alternating, in this process."""
+    from ..models import VARIANTS, get_variant
+    from ..training import load_preset
+
+    rows = []
+    for name in setup.variants or list(VARIANTS):
+        variant = get_variant(name)
+        config = variant.config(**load_preset(name, setup.size), vocab_size=setup.vocab_size)
+        torch.manual_seed(0)
+        attn = "sdpa" if variant.causal_lm_class._supports_sdpa else "eager"
+        zoo = variant.causal_lm_class._from_config(config, attn_implementation=attn)
+        llama = LlamaForCausalLM(llama_like(config))
+        measure = lambda model: training_tokens_per_second(  # noqa: E731
+            model, setup.batch_size, setup.seq_len, setup.steps, setup.vocab_size
+        )
+        measure(zoo), measure(llama)  # warm-up
+        samples = {"zoo": [], "llama": []}
+        for repeat in range(setup.repeats):
+            order = [("zoo", zoo), ("llama", llama)]
+            for label, model in order if repeat % 2 == 0 else reversed(order):
+                samples[label].append(measure(model))
+        row = {
+            "variant": name,
+            "parameters": sum(p.numel() for p in zoo.parameters()),
+            "zoo_tokens_per_second": statistics.median(samples["zoo"]),
+            "llama_tokens_per_second": statistics.median(samples["llama"]),
+            "ratio": statistics.median(z / ll for z, ll in zip(samples["zoo"], samples["llama"])),
+        }
+        rows.append(row)
+        log(
+            f"{name:15s} {row['zoo_tokens_per_second']:8,.0f} tokens/s, Llama {row['llama_tokens_per_second']:8,.0f}"
+            f" ({row['ratio']:.2f}x)"
+        )
+    return rows
+
+
+def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) -> str:
+    lines = [
+        f"Training tokens/s, `{setup.size}` presets (vocabulary {setup.vocab_size}), batch {setup.batch_size} x "
+        f"{setup.seq_len}, forward + backward + AdamW, one process, {torch.get_num_threads()} CPU threads; "
+        f"`LlamaForCausalLM` at the same width, depth, MLP and head counts, alternating in the same process, "
+        f"medians of {setup.repeats} best-of-{setup.steps}-steps samples.",
+        "",
+        "| variant | parameters | zoo tokens/s | Llama tokens/s | zoo / Llama |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| `{row['variant']}` | {row['parameters'] / 1e6:.1f}M | {row['zoo_tokens_per_second']:,.0f} "
+            f"| {row['llama_tokens_per_second']:,.0f} | {row['ratio']:.2f} |"
+        )
+    return "\n".join(lines)

@@ -58,6 +58,10 @@ class ZooVariant:
     def description(self) -> str:
         return self.config_class.description
 
+    @property
+    def paper(self) -> str:
+        return self.config_class.paper
+
     def config(self, **kwargs) -> ZooConfig:
         return self.config_class(**kwargs)
 

@@ -27,6 +27,7 @@ class ZooAdditiveConfig(ZooChunkedConfig):
     """`additive_dim`: width of the tanh layer of each head's score network."""
 
     model_type = "zoo_additive"
+    paper = 'Bahdanau, Cho & Bengio 2015, "Neural Machine Translation by Jointly Learning to Align and Translate"'
     description = "Bahdanau scores vᵀtanh(W_q q + W_k k) per head, chunked over queries"
     cache_per_token = "L·G·(a + d_h)"
     supported_position_types = ("alibi", "sinusoidal", "learned", "none")

@@ -33,7 +33,7 @@ from torch import nn
 
 from .cache_zoo import ZooStateCache, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_positive_int
-from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel, key_positions
+from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel
 
 NO_KEY_YET = -1e30  # running max before any key: exp(NO_KEY_YET - m) is 0 for any real m, and 1 against itself
 
@@ -42,6 +42,7 @@ class ZooAFTConfig(ZooChunkedConfig):
     """Shared by the three AFT variants: no heads (`num_attention_heads` stays 1), no RoPE or ALiBi."""
 
     supported_position_types = ("none", "sinusoidal", "learned")
+    paper = 'Zhai et al. 2021, "An Attention Free Transformer"'
     aft_mode: ClassVar[str] = ""
 
     num_attention_heads: int = 1
@@ -99,82 +100,37 @@ class ZooAFTSimpleConfig(ZooAFTConfig):
 Bias = Callable[[torch.LongTensor, torch.LongTensor], torch.Tensor]
 
 
-def aft_full(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    key_valid: torch.Tensor | None,
-    bias: Bias,
-    query_positions: torch.LongTensor,
-    key_positions: torch.LongTensor,
-    chunk: int,
-) -> torch.Tensor:
-    """Causal AFT-full, a chunk of queries at a time. keys, values `(B, S, d)`; the T queries are the last T keys.
-
-    The keys before the chunk (its history) go through matrix products: each channel shifted by its running max over
-    the history, each row of the bias by its max, so every factor is <= 1. The keys inside the chunk are computed
-    exactly, every (row, channel) shifted by its own max. The two parts then meet at a common max per (row, channel).
-    Returns the weighted averages `(B, T, d)`.
-    """
-    batch, key_length, width = keys.shape
-    length = query_positions.shape[1]
-    past = key_length - length
-    if key_valid is None:
-        key_valid = torch.ones(batch, key_length, dtype=torch.bool, device=keys.device)
-    masked_keys = keys.masked_fill(~key_valid[..., None], float("-inf"))  # padding never counts
-    outputs = []
-    for start in range(0, length, chunk):
-        end = min(length, start + chunk)
-        history, inside = slice(0, past + start), slice(past + start, past + end)
-        w = bias(query_positions[:, start:end], key_positions)  # (B, C, S)
-        # history: sum over s of exp(w_ts - a_t) * exp(k_sc - M_c) * v_sc, scaled by exp(a_t + M_c)
-        channel_max = masked_keys[:, history].amax(dim=1, keepdim=True).detach() if past + start else None
-        if channel_max is not None:
-            channel_max = torch.where(torch.isfinite(channel_max), channel_max, 0.0)  # (B, 1, d)
-            w_history = w[:, :, history].masked_fill(~key_valid[:, None, history], float("-inf"))
-            row_max = w_history.amax(dim=-1, keepdim=True).detach()  # (B, C, 1)
-            row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-            weights = torch.exp(w_history - row_max)  # (B, C, H), <= 1
-            exps = torch.exp(masked_keys[:, history] - channel_max)  # (B, H, d), <= 1
-            history_numerator = weights @ (exps * values[:, history])  # (B, C, d)
-            history_denominator = weights @ exps
-            history_log_scale = row_max + channel_max  # (B, C, d)
-            history_log_scale = history_log_scale.masked_fill(history_denominator == 0, float("-inf"))
-        # inside the chunk: exponent w_ts + k_sc for the keys s <= t, exactly
-        causal = torch.ones(end - start, end - start, dtype=torch.bool, device=keys.device).tril()
-        allowed = causal[None] & key_valid[:, None, inside]  # (B, C, C)
-        exponent = w[:, :, inside, None] + masked_keys[:, None, inside]  # (B, C, C, d)
-        exponent = exponent.masked_fill(~allowed[..., None], float("-inf"))
-        row_channel_max = exponent.amax(dim=2)  # (B, C, d)
-        if channel_max is not None:
-            row_channel_max = torch.maximum(row_channel_max, history_log_scale)
-        row_channel_max = torch.where(torch.isfinite(row_channel_max), row_channel_max, 0.0).detach()
-        exps = torch.exp(exponent - row_channel_max[:, :, None])  # (B, C, C, d)
-        numerator = (exps * values[:, None, inside]).sum(dim=2)
-        denominator = exps.sum(dim=2)
-        if channel_max is not None:
-            scale = torch.exp(history_log_scale - row_channel_max)  # (B, C, d), <= 1
-            numerator = numerator + history_numerator * scale
-            denominator = denominator + history_denominator * scale
-        outputs.append(numerator / torch.where(denominator > 0, denominator, 1.0))
-    return torch.cat(outputs, dim=1)
+def _log_sum(exponent: torch.Tensor, values: torch.Tensor, dim: int):
+    """(numerator, denominator, log scale) of sum exp(exponent)·values and sum exp(exponent) over `dim`, shifted by
+    the max along `dim`. A row with nothing (all exponents -inf) gets sums 0 and scale -inf, so that it never sets
+    the common scale of the parts it is combined with."""
+    scale = exponent.amax(dim=dim).detach()
+    empty = ~torch.isfinite(scale)
+    weights = torch.exp(exponent - scale.masked_fill(empty, 0.0).unsqueeze(dim))
+    return (weights * values).sum(dim=dim), weights.sum(dim=dim), scale.masked_fill(empty, float("-inf"))
 
 
-def aft_scan(
+def aft_attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     valid: torch.Tensor | None,
     positions: torch.LongTensor,
     state: dict[str, torch.Tensor] | None,
-    window: int,
+    window: int | None,
     bias: Bias | None,
     chunk: int,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Causal AFT-local (window s >= 1, `bias` inside it) or AFT-simple (window 0, no bias) as a chunked scan.
+    """Causal AFT over T new tokens, a chunk of queries at a time. keys, values `(B, T, d)` in float32.
 
-    The state holds, per channel, the running max m and the sums n = sum exp(k - m)·v and z = sum exp(k - m) over the
-    keys that have left every window, plus the keys, values, positions and validity still inside the window. Each
-    chunk of queries combines the state with its window computed exactly, every row shifted by its own running max.
-    keys, values `(B, T, d)`; returns the weighted averages `(B, T, d)` and the state after the last token.
+    `window` is s for AFT-local (the bias reaches t - t' < s), None for AFT-full (it reaches everything) and 0 for
+    AFT-simple (no bias). For a chunk of queries the keys fall in three groups:
+    - folded: keys that left every window, kept as per-channel running (max m, sum exp(k - m)·v, sum exp(k - m));
+    - history: earlier keys still within some window, through matrix products: shifted per channel by their max
+      and per row by the bias' max over them, so every factor is <= 1;
+    - inside the chunk: exact, every (row, channel) shifted by its own max.
+    The parts meet at a common max per (row, channel). Nothing depends on a later token, so earlier outputs are
+    bit-identical when later tokens change. The state carries the running sums and the unfolded keys (for AFT-full,
+    all of them: its key/value cache). Returns the weighted averages `(B, T, d)` and the new state.
     """
     batch, length, width = keys.shape
     if valid is None:
@@ -185,57 +141,76 @@ def aft_scan(
             "max": keys.new_full((batch, width), NO_KEY_YET),
             "numerator": keys.new_zeros(batch, width),
             "denominator": keys.new_zeros(batch, width),
-            "window_keys": empty,
-            "window_values": empty,
-            "window_positions": positions.new_zeros(batch, 0),
-            "window_valid": valid.new_zeros(batch, 0),
+            "keys": empty,
+            "values": empty,
+            "positions": positions.new_zeros(batch, 0),
+            "valid": valid.new_zeros(batch, 0),
         }
     running_max, numerator, denominator = state["max"], state["numerator"], state["denominator"]
-    # the window left by earlier calls, then this call's tokens; query i is entry `carried + i`
-    all_keys = torch.cat((state["window_keys"], keys), dim=1)
-    all_values = torch.cat((state["window_values"], values), dim=1)
-    all_positions = torch.cat((state["window_positions"], positions), dim=1)
-    all_valid = torch.cat((state["window_valid"], valid), dim=1)
-    carried = state["window_keys"].shape[1]
+    # the keys carried over from earlier calls, then this call's; query i is entry `carried + i`
+    all_keys = torch.cat((state["keys"], keys), dim=1).masked_fill(
+        ~torch.cat((state["valid"], valid), 1)[..., None], float("-inf")
+    )  # padding never counts
+    all_values = torch.cat((state["values"], values), dim=1)
+    all_positions = torch.cat((state["positions"], positions), dim=1)
+    all_valid = torch.cat((state["valid"], valid), dim=1)
+    carried = state["keys"].shape[1]
     folded = 0  # entries before this one are in (running_max, numerator, denominator)
+
+    def in_reach(queries: slice, keys_: slice) -> torch.Tensor:
+        """The bias of these queries for these keys: w where the window reaches, 0 elsewhere. `(B, C, K)`."""
+        if bias is None:
+            return all_keys.new_zeros(batch, queries.stop - queries.start, keys_.stop - keys_.start)
+        query_positions, key_positions = all_positions[:, queries], all_positions[:, keys_]
+        w = bias(query_positions, key_positions)
+        if window is not None:
+            w = w.masked_fill(query_positions[:, :, None] - key_positions[:, None, :] >= window, 0.0)
+        return w
+
     outputs = []
     for start in range(0, length, chunk):
-        query_start, query_end = carried + start, carried + min(length, start + chunk)
-        span = slice(folded, query_end)  # the keys not yet folded, up to the last query of the chunk
-        exponent = all_keys[:, None, span]  # (B, 1, W, d)
-        if bias is not None:
-            query_positions = all_positions[:, query_start:query_end]  # (B, C)
-            distance = query_positions[:, :, None] - all_positions[:, None, span]  # (B, C, W)
-            in_window = bias(query_positions, all_positions[:, span]).masked_fill(distance >= window, 0.0)
-            exponent = exponent + in_window[..., None]  # (B, C, W, d)
-        key_index = torch.arange(folded, query_end, device=keys.device)
-        allowed = key_index[None, :] <= torch.arange(query_start, query_end, device=keys.device)[:, None]  # (C, W)
-        allowed = allowed[None] & all_valid[:, None, span]  # (B, C, W)
-        exponent = torch.where(allowed[..., None], exponent, float("-inf"))
-        row_max = torch.maximum(running_max[:, None], exponent.amax(dim=2)).detach()  # (B, C, d)
-        exps = torch.exp(exponent - row_max[:, :, None])  # (B, C, W, d)
-        decay = torch.exp(running_max[:, None] - row_max)  # (B, C, d): rescale the folded sums to this row's max
-        row_numerator = numerator[:, None] * decay + (exps * all_values[:, None, span]).sum(dim=2)
-        row_denominator = denominator[:, None] * decay + exps.sum(dim=2)
+        first, last = carried + start, carried + min(length, start + chunk)  # the chunk's queries: [first, last)
+        queries = slice(first, last)
+        parts = [(numerator[:, None], denominator[:, None], running_max[:, None])]  # folded keys, (B, 1, d)
+        if first > folded:  # history: [folded, first), all before every query of the chunk
+            history = slice(folded, first)
+            w = in_reach(queries, history).masked_fill(~all_valid[:, None, history], float("-inf"))  # (B, C, H)
+            channel_max = all_keys[:, history].amax(dim=1, keepdim=True).detach()  # (B, 1, d)
+            channel_max = torch.where(torch.isfinite(channel_max), channel_max, 0.0)
+            row_max = w.amax(dim=-1, keepdim=True).detach()  # (B, C, 1)
+            row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+            weights = torch.exp(w - row_max)  # (B, C, H), <= 1
+            exps = torch.exp(all_keys[:, history] - channel_max)  # (B, H, d), <= 1
+            history_numerator, history_denominator = weights @ (exps * all_values[:, history]), weights @ exps
+            scale = (row_max + channel_max).masked_fill(history_denominator == 0, float("-inf"))
+            parts.append((history_numerator, history_denominator, scale))
+        causal = torch.ones(last - first, last - first, dtype=torch.bool, device=keys.device).tril()
+        exponent = in_reach(queries, queries)[..., None] + all_keys[:, None, queries]  # (B, C, C, d)
+        exponent = exponent.masked_fill(~causal[None, :, :, None], float("-inf"))
+        parts.append(_log_sum(exponent, all_values[:, None, queries], dim=2))
+        # every part at the largest scale of its (row, channel)
+        top = torch.stack([torch.broadcast_to(scale, parts[-1][2].shape) for _, _, scale in parts]).amax(0)
+        row_numerator = sum(n * torch.exp(scale - top) for n, _, scale in parts)
+        row_denominator = sum(z * torch.exp(scale - top) for _, z, scale in parts)
         outputs.append(row_numerator / torch.where(row_denominator > 0, row_denominator, 1.0))
-        # fold the keys that no later query sees in its window (all of them for AFT-simple) into the sums
-        fold_to = max(folded, query_end - max(window - 1, 0))
-        if fold_to > folded:
-            leaving = torch.where(all_valid[:, folded:fold_to, None], all_keys[:, folded:fold_to], float("-inf"))
-            new_max = torch.maximum(running_max, leaving.amax(dim=1)).detach()  # (B, d)
-            exps = torch.exp(leaving - new_max[:, None])
-            decay = torch.exp(running_max - new_max)
-            numerator = numerator * decay + (exps * all_values[:, folded:fold_to]).sum(dim=1)
-            denominator = denominator * decay + exps.sum(dim=1)
-            running_max, folded = new_max, fold_to
+        # fold the keys no later query reaches with its window (AFT-simple: all of them; AFT-full: none)
+        if window is not None:
+            fold_to = max(folded, last - max(window - 1, 0))
+            if fold_to > folded:
+                leaving = slice(folded, fold_to)
+                part = _log_sum(all_keys[:, leaving], all_values[:, leaving], dim=1)
+                new_max = torch.maximum(running_max, part[2]).detach()
+                numerator = numerator * torch.exp(running_max - new_max) + part[0] * torch.exp(part[2] - new_max)
+                denominator = denominator * torch.exp(running_max - new_max) + part[1] * torch.exp(part[2] - new_max)
+                running_max, folded = new_max, fold_to
     new_state = {
         "max": running_max,
         "numerator": numerator,
         "denominator": denominator,
-        "window_keys": all_keys[:, folded:],
-        "window_values": all_values[:, folded:],
-        "window_positions": all_positions[:, folded:],
-        "window_valid": all_valid[:, folded:],
+        "keys": all_keys[:, folded:].masked_fill(~all_valid[:, folded:, None], 0.0),
+        "values": all_values[:, folded:],
+        "positions": all_positions[:, folded:],
+        "valid": all_valid[:, folded:],
     }
     return torch.cat(outputs, dim=1), new_state
 
@@ -278,29 +253,19 @@ class ZooAFTAttention(ZooAttention):
                     f"build the model with a larger max_position_embeddings."
                 )
         valid = attention_mask[:, -length:].bool() if attention_mask is not None else None  # (B, T)
+        layer = state_layer(past_key_values, self.layer_idx, self.config.model_type)
+        window = {"full": None, "simple": 0}.get(self.mode, getattr(self.config, "aft_window", None))
+        bias = None if self.mode == "simple" else self.pairwise_bias
         chunk = self.config.query_chunk_size
-        if self.mode == "full":
-            if past_key_values is not None:  # keys and values of every position, (B, 1, S, d) in the cache
-                cached = past_key_values.update(keys[:, None], values[:, None], self.layer_idx)
-                keys, values = cached[0][:, 0], cached[1][:, 0]
-            key_valid = attention_mask[:, -keys.shape[1] :].bool() if attention_mask is not None else None
-            all_positions = key_positions(positions, keys.shape[1] - length)
-            averages = aft_full(keys, values, key_valid, self.pairwise_bias, positions, all_positions, chunk)
-        else:
-            layer = state_layer(past_key_values, self.layer_idx, self.config.model_type)
-            window = self.config.aft_window if self.mode == "local" else 0
-            bias = self.pairwise_bias if self.mode == "local" else None
-            averages, state = aft_scan(keys, values, valid, positions, layer and layer.read(), window, bias, chunk)
-            if layer is not None:
-                layer.write(state, length)
+        averages, state = aft_attend(keys, values, valid, positions, layer and layer.read(), window, bias, chunk)
+        if layer is not None:
+            layer.write(state, length)
         return self.o_proj(gate * averages.to(gate.dtype)), None
 
 
 class ZooAFTModel(ZooModel):
     attention_class = ZooAFTAttention
 
-
-class ZooAFTStateModel(ZooAFTModel):
     def make_cache(self) -> ZooStateCache:
         return ZooStateCache(self.config.num_hidden_layers)
 
@@ -309,11 +274,11 @@ class ZooAFTFullModel(ZooAFTModel):
     config_class = ZooAFTFullConfig
 
 
-class ZooAFTLocalModel(ZooAFTStateModel):
+class ZooAFTLocalModel(ZooAFTModel):
     config_class = ZooAFTLocalConfig
 
 
-class ZooAFTSimpleModel(ZooAFTStateModel):
+class ZooAFTSimpleModel(ZooAFTModel):
     config_class = ZooAFTSimpleConfig
 
 

@@ -65,6 +65,7 @@ class ZooConfig(PreTrainedConfig):
     supported_position_types: ClassVar[tuple[str, ...]] = POSITION_EMBEDDING_TYPES
     cache_per_token: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
 
     vocab_size: int = 32000
     hidden_size: int = 512

@@ -36,6 +36,7 @@ class ZooLinformerConfig(ZooChunkedConfig):
     paper's bidirectional form."""
 
     model_type = "zoo_linformer"
+    paper = 'Wang et al. 2020, "Linformer: Self-Attention with Linear Complexity"'
     description = "keys/values projected to k slots along the sequence (Wang 2020), causal by cumulative sums"
     cache_per_token = "0 (state: 2·L·G·k·d_h)"
     supported_position_types = ("rope", "sinusoidal", "learned", "none")

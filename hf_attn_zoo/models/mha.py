@@ -112,6 +112,7 @@ class ZooMHAConfig(ZooConfig):
     """Multi-head attention: one key/value head per query head (`num_key_value_heads == num_attention_heads`)."""
 
     model_type = "zoo_mha"
+    paper = 'Vaswani et al. 2017, "Attention Is All You Need"'
     description = "scaled dot-product, one KV head per query head"
     cache_per_token = "2·L·H·d_h"
 
@@ -128,6 +129,9 @@ class ZooGQAConfig(ZooConfig):
     """Grouped-query attention: `num_key_value_heads` (G) key/value heads, each shared by H / G query heads."""
 
     model_type = "zoo_gqa"
+    paper = (
+        'Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints"'
+    )
     description = "scaled dot-product, G KV heads shared by contiguous groups of H/G query heads"
     cache_per_token = "2·L·G·d_h"
 
@@ -138,6 +142,7 @@ class ZooMQAConfig(ZooConfig):
     """Multi-query attention: a single key/value head shared by every query head."""
 
     model_type = "zoo_mqa"
+    paper = 'Shazeer 2019, "Fast Transformer Decoding: One Write-Head is All You Need"'
     description = "scaled dot-product, one KV head shared by all query heads"
     cache_per_token = "2·L·d_h"
 
@@ -155,6 +160,7 @@ class ZooSingleHeadConfig(ZooConfig):
     """A single attention head as wide as the model (`num_attention_heads == num_key_value_heads == 1`)."""
 
     model_type = "zoo_single_head"
+    paper = 'Vaswani et al. 2017, "Attention Is All You Need" (a single head)'
     description = "scaled dot-product, one head of width hidden_size"
     cache_per_token = "2·L·d"
 

@@ -26,6 +26,7 @@ class ZooSlidingWindowConfig(ZooConfig):
     """`sliding_window` (w): how many keys each token sees, itself included."""
 
     model_type = "zoo_sliding_window"
+    paper = 'Jiang et al. 2023, "Mistral 7B"; Beltagy et al. 2020, "Longformer"'
     description = "causal window of w keys (Mistral); banded O(T·w) kernel for long inputs"
     cache_per_token = "2·L·G·d_h, flat past w tokens"
 

@@ -24,6 +24,7 @@ class ZooTopKConfig(ZooChunkedConfig):
     """`topk`: how many scores each query keeps."""
 
     model_type = "zoo_topk"
+    paper = 'Gupta et al. 2021, "Memory-efficient Transformers via Top-k Attention"'
     description = "each query keeps its top-k causal scores (Gupta 2021), chunked over queries"
     cache_per_token = "2·L·G·d_h"
 

@@ -1,0 +1,427 @@
+"""Training any zoo variant with the transformers `Trainer`, from a YAML recipe, on one process or many.
+
+A recipe has three sections, each parsed by `HfArgumentParser` into a dataclass: `model` (`ModelArguments` below),
+`data` (`hf_attn_zoo.data.DataArguments`) and `training` (`transformers.TrainingArguments`). Command-line overrides
+name the section: `--training.learning_rate 1e-3`, `--model.size small`. A key that does not exist is an error
+naming it, as are missing files, an empty corpus or a block size beyond the model's positions, all before training.
+
+Launching: one process (`hf-attn-zoo train CONFIG`, `python training/train.py CONFIG`), or several with
+`torchrun --nproc_per_node N training/train.py CONFIG` / `accelerate launch --config_file
+configs/accelerate/multi_gpu.yaml training/train.py CONFIG` (DDP; gloo on a machine without GPUs).
+
+Checkpoints are crash-safe: `checkpoint-N` counts as complete only once its marker file is written, after every file
+of it; resuming (`--training.resume_from_checkpoint latest`) takes the newest complete one and moves an incomplete one
+aside. Every checkpoint carries the tokenizer, the `auto_map` for `trust_remote_code` and a model card. The final
+model goes to `output_dir/final`, written beside and renamed into place.
+"""
+
+import difflib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import (
+    AutoModelForCausalLM,
+    HfArgumentParser,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .cards import model_card
+from .data import DataArguments, prepare_data, tokenizer_fields
+from .models import ZooConfig, get_variant
+
+COMPLETE_MARKER = "checkpoint_complete.json"
+REPO_PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+# Defaults the recipes may override: TensorBoard logs, DDP without the unused-parameter search, fp32 eval losses.
+TRAINING_DEFAULTS = {
+    "report_to": ["tensorboard"],
+    "ddp_find_unused_parameters": False,
+    "save_strategy": "steps",
+    "eval_strategy": "no",
+}
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train: a variant and a preset size, with config fields on top, or existing weights."""
+
+    variant: str = field(default="gqa", metadata={"help": "registered variant (see `hf-attn-zoo list`)"})
+    size: str | None = field(
+        default="tiny",
+        metadata={"help": "preset of configs/models/<variant>.json (tiny, small, base); empty: model.config alone"},
+    )
+    presets_dir: str | None = field(
+        default=None, metadata={"help": "directory of the preset files (default: the repository's configs/models)"}
+    )
+    config: str | None = field(
+        default=None, metadata={"help": "JSON mapping (a YAML mapping in recipes) of config fields over the preset"}
+    )
+    init_from: str | None = field(
+        default=None, metadata={"help": "start from this checkpoint's weights and tokenizer instead of a preset"}
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "eager, sdpa, ... (default: the best the variant supports)"}
+    )
+
+    def config_fields(self) -> dict:
+        if not self.config:
+            return {}
+        fields_ = json.loads(self.config) if isinstance(self.config, str) else dict(self.config)
+        if not isinstance(fields_, dict):
+            raise ValueError(f"model.config must be a mapping of config fields, got {self.config!r}.")
+        return fields_
+
+
+SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": TrainingArguments}
+
+
+def training_defaults() -> dict:
+    """`TRAINING_DEFAULTS`, plus what a machine without a GPU needs: `use_cpu` when launched as several processes
+    (accelerate otherwise starts each as a lone, non-distributed run: no gloo group, no DDP), no pinned memory."""
+    defaults = dict(TRAINING_DEFAULTS)
+    if not torch.cuda.is_available():
+        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+            raise ValueError(
+                "an FSDP launch on a machine without GPUs: accelerate shards models on GPUs only (on CPUs it would "
+                "run plain DDP); launch with configs/accelerate/multi_gpu.yaml, or on GPUs."
+            )
+        defaults["dataloader_pin_memory"] = False
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            defaults["use_cpu"] = True
+    return defaults
+
+
+def _to_argv(values: dict) -> list[str]:
+    argv = []
+    for key, value in values.items():
+        if value is None or (isinstance(value, (list, tuple, dict)) and not value):
+            continue  # the field's default
+        if isinstance(value, bool):
+            argv += [f"--{key}", "true" if value else "false"]
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [f"--{key}", json.dumps(value)]
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def _split_overrides(overrides: list[str], source: str) -> dict[str, list[str]]:
+    """`--section.key value ...` (or `--section.key=value`) into argv per section."""
+    per_section: dict[str, list[str]] = {name: [] for name in SECTIONS}
+    section = None
+    for token in overrides:
+        if token.startswith("--"):
+            key, _, inline = token[2:].partition("=")
+            section, _, name = key.partition(".")
+            if section not in SECTIONS or not name:
+                raise ValueError(
+                    f"override {token!r} ({source}) must name a section: --model.<field>, --data.<field> or "
+                    f"--training.<field>."
+                )
+            per_section[section].append(f"--{name}")
+            if inline:
+                per_section[section].append(inline)
+        elif section is None:
+            raise ValueError(f"unexpected argument {token!r} ({source}); overrides look like --training.max_steps 10.")
+        else:
+            per_section[section].append(token)
+    return per_section
+
+
+def _check_keys(section: str, keys, dataclass_type: type, source: str) -> None:
+    known = {f.name for f in fields(dataclass_type) if f.init}
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{source}: {section}.{key} is not a field of {dataclass_type.__name__}{hint}")
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tuple:
+    """(ModelArguments, DataArguments, TrainingArguments) from a YAML recipe and `--section.field value` overrides."""
+    raw = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe {path} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict) or set(raw) - set(SECTIONS):
+            unknown = sorted(set(raw) - set(SECTIONS)) if isinstance(raw, dict) else raw
+            raise ValueError(f"{path}: unknown sections {unknown}; a recipe has model, data and training sections.")
+    source = str(path) if path is not None else "command line"
+    per_section = _split_overrides(list(overrides), "command line")
+    parsed = []
+    for section, dataclass_type in SECTIONS.items():
+        values = dict(raw.get(section) or {})
+        _check_keys(section, values, dataclass_type, source)
+        _check_keys(section, [a[2:] for a in per_section[section] if a.startswith("--")], dataclass_type, "override")
+        defaults = {k: v for k, v in training_defaults().items() if k not in values} if section == "training" else {}
+        argv = _to_argv(defaults) + _to_argv(values) + per_section[section]
+        (arguments,) = HfArgumentParser(dataclass_type).parse_args_into_dataclasses(args=argv)
+        parsed.append(arguments)
+    return tuple(parsed)
+
+
+def load_preset(variant: str, size: str, presets_dir: str | None = None) -> dict:
+    directory = Path(presets_dir) if presets_dir else REPO_PRESETS
+    path = directory / f"{get_variant(variant).name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no preset file {path}: presets live in configs/models of the hf_attn_zoo repository; set "
+            f"model.presets_dir, or give the config fields in model.config."
+        )
+    presets = json.loads(path.read_text())
+    if size not in presets:
+        raise ValueError(f"model.size={size!r} is not a preset of {path}; choose one of {sorted(presets)}.")
+    return dict(presets[size])
+
+
+def build_model(model_args: ModelArguments, tokenizer, block_size: int):
+    """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer."""
+    if model_args.init_from is not None:
+        kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(model_args.init_from, **kwargs)
+        if len(tokenizer) > model.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
+                f"{model.config.vocab_size} embeddings; leave data.tokenizer empty to use the checkpoint's own."
+            )
+    else:
+        variant = get_variant(model_args.variant)
+        preset = load_preset(variant.name, model_args.size, model_args.presets_dir) if model_args.size else {}
+        fields_ = {**preset, **model_args.config_fields()}
+        config = variant.config(**{**fields_, **tokenizer_fields(tokenizer)})
+        attn = model_args.attn_implementation or ("sdpa" if variant.causal_lm_class._supports_sdpa else "eager")
+        model = variant.causal_lm_class._from_config(config, attn_implementation=attn)
+    if block_size > model.config.max_position_embeddings:
+        raise ValueError(
+            f"data.block_size={block_size} is longer than the model's max_position_embeddings="
+            f"{model.config.max_position_embeddings}; lower data.block_size or raise max_position_embeddings."
+        )
+    return model
+
+
+def non_embedding_parameters(model) -> int:
+    embedding = model.get_input_embeddings().weight.numel()
+    return sum(p.numel() for p in model.parameters()) - embedding
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) of the GPUs the MFU figure knows.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
+class ThroughputCallback(TrainerCallback):
+    """Adds `tokens_per_second` (all processes) to the logs and, on a known GPU, `mfu`: model FLOPs per token
+    6·N + 12·L·H·d_h·T (N non-embedding parameters, the PaLM appendix's formula) against the device's dense bf16 peak
+    (`PEAK_FLOPS`)."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None) -> None:
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self._start, self._step = None, 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._start is None:
+            self._start, self._step = time.perf_counter(), state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self._start is None or "loss" not in logs:
+            return
+        elapsed = time.perf_counter() - self._start
+        steps = state.global_step - self._step
+        if elapsed > 0 and steps > 0:
+            tokens_per_second = steps * self.tokens_per_step / elapsed
+            extra = {"tokens_per_second": round(tokens_per_second, 1)}
+            if self.peak:
+                extra["mfu"] = round(tokens_per_second * self.flops_per_token / (self.peak * args.world_size), 4)
+            logs.update(extra)  # seen by the reporting callbacks that follow (ZooTrainer puts this one first)
+            state.log_history[-1].update(extra)  # the Trainer recorded a copy of `logs` just before
+        self._start, self._step = time.perf_counter(), state.global_step
+
+
+class ZooTrainer(Trainer):
+    """`Trainer` whose checkpoints carry a model card and a completion marker written after everything else."""
+
+    def __init__(self, *args, card_details: dict | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.card_details = card_details or {}
+        # throughput first, so that TensorBoard and the progress printer get its figures in the same logs
+        callbacks = self.callback_handler.callbacks
+        callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()  # every rank's part is on disk before the marker
+        if self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            details = {**self.card_details, "steps": self.state.global_step}
+            (folder / "README.md").write_text(model_card(self.model.config, details))
+            _write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": self.state.global_step}))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete `checkpoint-N` folders of `output_dir`, oldest first."""
+    folders = Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+    complete = [f for f in folders if f.name.split("-")[-1].isdigit() and (f / COMPLETE_MARKER).is_file()]
+    return sorted(complete, key=lambda f: int(f.name.split("-")[-1]))
+
+
+def resolve_resume(training_args: TrainingArguments) -> str | None:
+    """The checkpoint to resume from (`latest`/`true`: the newest complete one), refusing to train over existing
+    checkpoints unasked; incomplete checkpoints are renamed `incomplete-checkpoint-N`, never deleted."""
+    output_dir = Path(training_args.output_dir)
+    existing = sorted(output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) if output_dir.is_dir() else []
+    request = training_args.resume_from_checkpoint
+    if not request:
+        if existing:
+            raise ValueError(
+                f"training.output_dir={output_dir} already holds {existing[-1].name}; resume with "
+                f"--training.resume_from_checkpoint latest, or choose another output_dir."
+            )
+        return None
+    if str(request).lower() not in ("latest", "true"):
+        if not (Path(request) / COMPLETE_MARKER).is_file():
+            raise ValueError(f"{request} is not a complete checkpoint (no {COMPLETE_MARKER}); it cannot be resumed.")
+        return str(request)
+    complete = complete_checkpoints(output_dir)
+    if training_args.process_index == 0:
+        newest = int(complete[-1].name.split("-")[-1]) if complete else -1
+        for folder in existing:
+            step = folder.name.split("-")[-1]
+            if step.isdigit() and int(step) > newest and not (folder / COMPLETE_MARKER).is_file():
+                folder.rename(folder.with_name(f"incomplete-{folder.name}"))
+    if not complete:
+        raise ValueError(f"nothing to resume: {output_dir} holds no complete checkpoint.")
+    return str(complete[-1])
+
+
+def save_final(trainer: ZooTrainer, details: dict) -> Path:
+    """The trained model, tokenizer and card in `output_dir/final`, written beside and renamed into place."""
+    final = Path(trainer.args.output_dir) / "final"
+    staging = final.with_name("final.partial")
+    trainer.save_model(str(staging))  # model, config with auto_map, tokenizer (the processing class)
+    if trainer.args.should_save:
+        (staging / "README.md").write_text(model_card(trainer.model.config, details))
+        if final.exists():
+            previous = final.with_name(f"final.before-{int(time.time())}")
+            final.rename(previous)  # kept, not deleted
+        staging.rename(final)
+    trainer.accelerator.wait_for_everyone()
+    return final
+
+
+def run_training(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    training_args: TrainingArguments,
+    callbacks: list[TrainerCallback] = (),
+) -> dict:
+    """Prepare data, build the model, train, evaluate and save. Returns the training summary (also written to
+    `output_dir/training_summary.json`)."""
+    resume = resolve_resume(training_args)
+    output_dir = Path(training_args.output_dir)
+    set_seed(training_args.seed)  # the model's initialisation must not depend on what ran before in the process
+    if model_args.init_from is not None and data_args.tokenizer is None:
+        data_args.tokenizer = model_args.init_from
+    # one tokenizer for all processes: the main process trains (or loads) it and the others read its copy
+    shared_tokenizer = output_dir / "tokenizer"
+    with training_args.main_process_first(desc="data preparation", local=False):
+        if training_args.process_index != 0 and data_args.tokenizer is None:
+            data_args.tokenizer = str(shared_tokenizer)
+        tokenizer, train_blocks, validation_blocks, unigram = prepare_data(data_args)
+        if training_args.process_index == 0:
+            tokenizer.save_pretrained(shared_tokenizer)
+    model = build_model(model_args, tokenizer, data_args.block_size)
+    tokens_per_step = (
+        training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * training_args.world_size
+        * data_args.block_size
+    )
+    config: ZooConfig = model.config
+    head_dim = getattr(config, "head_dim", config.hidden_size)
+    flops_per_token = (
+        6 * non_embedding_parameters(model)
+        + 12 * config.num_hidden_layers * (config.num_attention_heads * head_dim) * data_args.block_size
+    )
+    details = {
+        "data": ", ".join(data_args.train_files) or "Python standard-library sources",
+        "block size": data_args.block_size,
+        "unigram baseline perplexity": round(unigram, 2),
+    }
+    trainer = ZooTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_blocks,
+        eval_dataset=validation_blocks,
+        processing_class=tokenizer,
+        callbacks=[ThroughputCallback(tokens_per_step, flops_per_token, peak_flops()), *callbacks],
+        card_details=details,
+    )
+    start = time.perf_counter()
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    seconds = time.perf_counter() - start
+    evaluation = trainer.evaluate()
+    perplexity = math.exp(min(evaluation["eval_loss"], 700.0))
+    summary = {
+        "variant": get_variant(config.model_type).name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "world_size": training_args.world_size,
+        "distributed": trainer.accelerator.distributed_type.value,
+        "steps": trainer.state.global_step,
+        "train_tokens": trainer.state.global_step * tokens_per_step,
+        "seconds": round(seconds, 1),
+        "tokens_per_second": round(train_result.metrics.get("train_steps_per_second", 0) * tokens_per_step, 1),
+        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "validation_perplexity": round(perplexity, 3),
+        "unigram_perplexity": round(unigram, 3),
+    }
+    details["validation perplexity"] = summary["validation_perplexity"]
+    final = save_final(trainer, {**details, "steps": summary["steps"]})
+    summary["final_model"] = str(final)
+    if training_args.process_index == 0:
+        _write_atomically(output_dir / "training_summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """`train CONFIG [--section.field value ...]`: the entry of `hf-attn-zoo train` and `training/train.py`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        for section, dataclass_type in SECTIONS.items():
+            print(f"\n[{section}] fields: " + ", ".join(f.name for f in fields(dataclass_type) if f.init))
+        return {}
+    recipe, overrides = (None, argv) if argv[0].startswith("--") else (argv[0], argv[1:])
+    summary = run_training(*load_recipe(recipe, overrides))
+    if summary and int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2))
+    return summary
+
+
+__all__ = ["ModelArguments", "ThroughputCallback", "ZooTrainer", "load_recipe", "main", "run_training"]
