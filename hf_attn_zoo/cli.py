@@ -2,6 +2,7 @@
 
     hf-attn-zoo list                      the registered variants
     hf-attn-zoo train CONFIG [overrides]  train from a YAML recipe (configs/train/*.yaml), `--training.max_steps 100`
+    hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
     hf-attn-zoo bench llama [options]     speed of a variant against LlamaForCausalLM at the same size
     hf-attn-zoo bench scaling [options]   time, memory and cache of every variant against sequence length
     hf-attn-zoo bench training [options]  training tokens/s of every variant's preset against the same-size Llama
@@ -14,6 +15,7 @@ Options of each command are the fields of a dataclass, parsed by transformers' `
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +41,30 @@ def variant_table() -> str:
 
 def _options(namespace: argparse.Namespace, options_class: type):
     return options_class(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(options_class) if f.init})
+
+
+def evaluate_command(args: argparse.Namespace) -> dict:
+    from .data import expand_files
+    from .evaluation.perplexity import load_for_scoring, score_texts
+
+    files = expand_files(args.data, "--data")
+    texts = [path.read_text(encoding="utf-8", errors="replace")[: args.max_chars] for path in files]
+    model, tokenizer = load_for_scoring(args.model, args.trust_remote_code, args.gguf_file)
+    result = score_texts(
+        model, tokenizer, texts, args.max_length, args.stride, args.batch_size, progress=not args.json
+    ).as_dict()
+    if args.json:
+        keys = ("perplexity", "bits_per_byte", "word_perplexity", "tokens", "bytes", "max_length", "stride")
+        print(json.dumps({key: result[key] for key in keys}))
+    else:
+        print(
+            f"{args.model} on {len(files)} file(s), windows of {result['max_length']} tokens every {result['stride']}:"
+        )
+        print("| metric | value |\n| --- | ---: |")
+        for key in ("perplexity", "bits_per_byte", "word_perplexity", "tokens", "bytes", "words"):
+            value = result[key]
+            print(f"| {key} | {value:,.4f} |" if isinstance(value, float) else f"| {key} | {value:,} |")
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,12 +96,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "training", help=about, description=about, dataclass_types=[TrainingThroughputSetup]
     )
     training.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the table goes")
+    about = "corpus-level perplexity (sliding windows), bits per byte and word perplexity of a causal LM"
+    evaluation = commands.add_parser("eval", help=about, description=about, dataclass_types=[])
+    evaluation.add_argument("model", help="checkpoint path or name (zoo or any AutoModelForCausalLM)")
+    evaluation.add_argument("--data", nargs="+", required=True, help="text files or directories to score")
+    evaluation.add_argument("--max-length", type=int, default=None, help="tokens per window (default: the model's)")
+    evaluation.add_argument("--stride", type=int, default=None, help="tokens between windows (default: max length)")
+    evaluation.add_argument("--batch-size", type=int, default=1, help="windows per forward")
+    evaluation.add_argument("--max-chars", type=int, default=None, help="score only the first N characters of each")
+    evaluation.add_argument("--trust-remote-code", action="store_true", help="run the code saved with the model")
+    evaluation.add_argument("--gguf-file", default=None, help="GGUF file inside MODEL")
+    evaluation.add_argument("--json", action="store_true", help="print one JSON object")
     about = "train a small model on Python's standard library, score it, generate, save and reload it"
     commands.add_parser("demo", help=about, description=about, dataclass_types=[DemoOptions])
     args = parser.parse_args(argv)
 
     if args.command == "list":
         print(variant_table())
+    elif args.command == "eval":
+        evaluate_command(args)
     elif args.command == "train":
         from .training import main as train_main
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from .data import DataArguments
 from .models import get_variant
-from .training import ModelArguments, run_training
+from .training import ModelArguments, complete_checkpoints, run_training
 
 
 @dataclass
@@ -64,7 +64,7 @@ def run_demo(options: DemoOptions) -> dict:
         dataloader_drop_last=True,
         dataloader_pin_memory=torch.cuda.is_available(),
         report_to=["tensorboard"],
-        resume_from_checkpoint="latest" if list(output_dir.glob("checkpoint-*")) else None,
+        resume_from_checkpoint="latest" if complete_checkpoints(output_dir) else None,
         seed=options.seed,
     )
     summary = run_training(model_args, data_args, training_args)

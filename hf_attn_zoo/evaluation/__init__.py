@@ -1,1 +1,10 @@
-"""Evaluation: speed and memory benchmarks (and, as they land, the perplexity harness and plots)."""
+"""Evaluation: the perplexity harness (an `evaluate` module shipped here), speed and scaling benchmarks."""
+
+from pathlib import Path
+
+from .perplexity import PerplexityResult, score_texts
+
+# `evaluate.load(PERPLEXITY)` loads the shipped module by path: Hub modules cannot be fetched offline.
+PERPLEXITY = str(Path(__file__).resolve().parent / "zoo_perplexity")
+
+__all__ = ["PERPLEXITY", "PerplexityResult", "score_texts"]

@@ -2,7 +2,7 @@
 
 Forward: the base model (no LM head, which is the same for all) on one sequence of T tokens, T from 512 to 8192, no
 cache. The time is the best of a few runs after a warm-up at the same length. The peak memory is the growth of the
-process' resident set during one forward, in a second process where glibc returns freed blocks at once
+process' resident set during one forward, in a fresh process per variant where glibc returns freed blocks at once
 (`MALLOC_MMAP_THRESHOLD_`) and the kernel's high-water mark is reset before the forward (`/proc/self/clear_refs`,
 Linux), so the figure is what the forward really holds at its peak. Timing runs with the normal allocator, since
 that setting makes every large allocation fault its pages in anew. The scaling exponent is the least-squares slope
@@ -255,7 +255,9 @@ def run_scaling(setup: ScalingSetup, output_dir: Path, log=print) -> dict:
     results = _child("time", {"setup": asdict(setup)}, dict(os.environ))
     lengths = {name: [row["length"] for row in result["forward"]] for name, result in results.items()}
     memory_env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    peaks = _child("memory", {"setup": asdict(setup), "lengths": lengths}, memory_env)
+    peaks = {}  # a fresh process per variant: nothing resident from another model's run to reuse
+    for name in results:
+        peaks.update(_child("memory", {"setup": asdict(setup), "lengths": {name: lengths[name]}}, memory_env))
     for name, result in results.items():
         for row, peak in zip(result["forward"], peaks[name]):
             row["peak_bytes"] = peak

@@ -1,0 +1,150 @@
+"""Perplexity, scored the same honest way for every causal LM: corpus-level, token-weighted, sliding windows.
+
+- Corpus level: perplexity = exp(total NLL / total predicted tokens) over all texts, never a mean of per-text
+  perplexities.
+- Sliding windows (`max_length`, `stride`): a text longer than `max_length` tokens is cut into windows starting every
+  `stride` tokens; each window sees up to `max_length` tokens of context and scores only the tokens no earlier
+  window scored, so every token is counted exactly once (stride = max_length gives disjoint windows).
+- A BOS token is prepended when the tokenizer has one, so the first token of a text is predicted from BOS; without
+  one, the first token has no context and is not scored.
+- Bits per byte and word perplexity as lm-evaluation-harness defines them: bits_per_byte = total NLL / ln 2 / UTF-8
+  bytes; word_perplexity = exp(total NLL / words), words counted with `re.split(r"\\s+", text)`.
+- Batching does not change the numbers: windows of different lengths are left-padded with `position_ids` counted
+  over the real tokens, padding is never scored, and log-probabilities and sums are computed in float64.
+"""
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    bits_per_byte: float
+    word_perplexity: float
+    nll: float  # total negative log-likelihood in nats
+    tokens: int  # predicted tokens
+    bytes: int
+    words: int
+    max_length: int
+    stride: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_windows(ids: list[int], max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored index) of every window over `ids`: the window is ids[begin:end], and positions
+    from `first scored` on are scored (position 0 of a text never is: nothing predicts it)."""
+    if not 0 < stride <= max_length:
+        raise ValueError(
+            f"stride must be in [1, max_length={max_length}], got {stride}: a larger stride skips tokens."
+        )
+    windows, begin, scored_until = [], 0, 1
+    while True:
+        end = min(begin + max_length, len(ids))
+        if end > scored_until:
+            windows.append((begin, end, scored_until))
+        scored_until = end
+        if end >= len(ids):
+            return windows
+        begin += stride
+
+
+def _default_max_length(model, tokenizer) -> int:
+    for candidate in (getattr(model.config, "max_position_embeddings", None), tokenizer.model_max_length):
+        if candidate and candidate < 1_000_000:
+            return int(candidate)
+    return 2048
+
+
+@torch.no_grad()
+def score_texts(
+    model,
+    tokenizer,
+    texts: Iterable[str],
+    max_length: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 1,
+    add_bos: bool | None = None,
+    progress: bool = False,
+) -> PerplexityResult:
+    """Score `texts` with a causal LM (any `AutoModelForCausalLM`, zoo or not)."""
+    texts = list(texts)
+    if not texts:
+        raise ValueError("no texts to score")
+    max_length = max_length or _default_max_length(model, tokenizer)
+    stride = stride or max_length
+    add_bos = tokenizer.bos_token_id is not None if add_bos is None else add_bos
+    windows = []  # (token ids of the window, index of its first scored token)
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if add_bos:
+            ids = [tokenizer.bos_token_id] + ids
+        windows += [(ids[begin:end], first - begin) for begin, end, first in plan_windows(ids, max_length, stride)]
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    total_nll, total_tokens = 0.0, 0
+    was_training = model.training
+    model.eval()
+    batches = range(0, len(windows), batch_size)
+    for start in tqdm(batches, desc="scoring windows", unit="batch", disable=not progress):
+        batch = windows[start : start + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        scored = torch.zeros_like(input_ids, dtype=torch.bool)
+        for row, (ids, first) in enumerate(batch):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)  # left padding
+            attention_mask[row, width - len(ids) :] = 1
+            scored[row, width - len(ids) + first :] = True
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            use_cache=False,
+        ).logits
+        # token t is predicted by the logits at t - 1; only the scored rows, in float64, a few at a time
+        mask = scored[:, 1:].to(device)
+        rows, targets = logits[:, :-1][mask], input_ids[:, 1:].to(device)[mask]  # (N, vocab), (N,)
+        for start in range(0, len(rows), 256):
+            chunk = rows[start : start + 256].double()
+            total_nll += F.cross_entropy(chunk, targets[start : start + 256], reduction="sum").item()
+        total_tokens += len(targets)
+    model.train(was_training)
+    if total_tokens == 0:
+        raise ValueError("nothing to score: every text is shorter than two tokens")
+    total_bytes = sum(len(text.encode("utf-8")) for text in texts)
+    total_words = sum(len(re.split(r"\s+", text)) for text in texts)
+    return PerplexityResult(
+        perplexity=math.exp(total_nll / total_tokens),
+        bits_per_byte=total_nll / math.log(2) / total_bytes,
+        word_perplexity=math.exp(total_nll / total_words),
+        nll=total_nll,
+        tokens=total_tokens,
+        bytes=total_bytes,
+        words=total_words,
+        max_length=max_length,
+        stride=stride,
+    )
+
+
+def load_for_scoring(
+    model_name_or_path: str, trust_remote_code: bool = False, gguf_file: str | None = None, dtype=None
+):
+    """(model, tokenizer) from a checkpoint path or name, through the Auto classes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, **kwargs)
+    return model.eval(), tokenizer
