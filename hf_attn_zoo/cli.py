@@ -6,6 +6,7 @@
     hf-attn-zoo bench llama [options]     speed of a variant against LlamaForCausalLM at the same size
     hf-attn-zoo bench scaling [options]   time, memory and cache of every variant against sequence length
     hf-attn-zoo bench training [options]  training tokens/s of every variant's preset against the same-size Llama
+    hf-attn-zoo bench decode [options]    prefill/decode tokens/s and cache bytes of every variant against Llama
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
                                           generate a sample, save and reload it
 
@@ -71,9 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .demo import DemoOptions, run_demo
     from .evaluation.scaling import ScalingSetup, run_scaling
     from .evaluation.speed import (
+        DecodeSetup,
         SpeedSetup,
         TrainingThroughputSetup,
         compare_with_llama,
+        decode_benchmark,
+        decode_plot,
+        decode_table,
         training_throughput,
         training_throughput_table,
     )
@@ -96,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "training", help=about, description=about, dataclass_types=[TrainingThroughputSetup]
     )
     training.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the table goes")
+    about = "prefill and decode tokens/s and cache bytes per token of every variant against the same-size Llama"
+    decode = benchmarks.add_parser("decode", help=about, description=about, dataclass_types=[DecodeSetup])
+    decode.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the results go")
     about = "corpus-level perplexity (sliding windows), bits per byte and word perplexity of a causal LM"
     evaluation = commands.add_parser("eval", help=about, description=about, dataclass_types=[])
     evaluation.add_argument("model", help="checkpoint path or name (zoo or any AutoModelForCausalLM)")
@@ -121,6 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_main(args.arguments)
     elif args.command == "bench" and args.benchmark == "scaling":
         run_scaling(_options(args, ScalingSetup), args.output_dir)
+    elif args.command == "bench" and args.benchmark == "decode":
+        setup = _options(args, DecodeSetup)
+        rows = decode_benchmark(setup)
+        print(decode_table(rows, setup))
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / "decode.md").write_text(decode_table(rows, setup) + "\n")
+        (args.output_dir / "decode.json").write_text(json.dumps(rows, indent=2) + "\n")
+        decode_plot(rows, args.output_dir / "decode.png")
     elif args.command == "bench" and args.benchmark == "training":
         setup = _options(args, TrainingThroughputSetup)
         table = training_throughput_table(training_throughput(setup), setup)

@@ -255,3 +255,131 @@ def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) 
             f"| {row['llama_tokens_per_second']:,.0f} | {row['ratio']:.2f} |"
         )
     return "\n".join(lines)
+
+
+@dataclass
+class DecodeSetup:
+    """Prefill and decode speed of every variant (the scaling benchmark's 8.4M configs) against the same-size Llama."""
+
+    variants: list[str] = field(default_factory=list, metadata={"help": "variants (default: all registered)"})
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"help": "generate() batches"})
+    prompt_len: int = field(default=512, metadata={"help": "prompt tokens"})
+    new_tokens: int = field(default=256, metadata={"help": "generated tokens per row"})
+    runs: int = field(default=2, metadata={"help": "calls per sample; the fastest counts"})
+    repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
+
+
+@torch.no_grad()
+def prefill_and_decode(model, batch_size: int, prompt_len: int, new_tokens: int, vocab_size: int, runs: int):
+    """(prefill tokens/s, decode tokens/s, generate() output): prefill is generate() of one token; decoding is the
+    rest of a generate() of `new_tokens` tokens, so both include what generate() adds around the model."""
+    model.eval()
+    prompt = torch.randint(0, vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    first = _fastest(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs), runs)
+    output = None
+
+    def full():
+        nonlocal output
+        output = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+
+    whole = _fastest(full, runs)
+    return batch_size * prompt_len / first, batch_size * (new_tokens - 1) / max(whole - first, 1e-9), output
+
+
+def decode_benchmark(setup: DecodeSetup, log: Callable[[str], None] = print) -> list[dict]:
+    from ..models import VARIANTS
+    from .scaling import ScalingSetup, benchmark_model, cache_nbytes
+
+    size = ScalingSetup()
+    rows = []
+    for name in setup.variants or list(VARIANTS):
+        zoo = benchmark_model(name, size, max_length=setup.prompt_len + setup.new_tokens)
+        llama = LlamaForCausalLM(llama_like(zoo.config)).eval()
+        for batch_size in setup.batch_sizes:
+            samples = {"zoo": [], "llama": []}
+            cache = {}
+
+            def measure(model, batch_size=batch_size):
+                return prefill_and_decode(
+                    model, batch_size, setup.prompt_len, setup.new_tokens, size.vocab_size, setup.runs
+                )
+
+            measure(zoo), measure(llama)  # warm-up
+            for repeat in range(setup.repeats):
+                order = [("zoo", zoo), ("llama", llama)]
+                for label, model in order if repeat % 2 == 0 else reversed(order):
+                    prefill, decode, output = measure(model)
+                    samples[label].append((prefill, decode))
+                    cache[label] = cache_nbytes(output.past_key_values)
+            tokens = batch_size * (setup.prompt_len + setup.new_tokens - 1)
+            row = {"variant": name, "batch_size": batch_size}
+            for index, kind in enumerate(("prefill", "decode")):
+                zoo_values = [sample[index] for sample in samples["zoo"]]
+                llama_values = [sample[index] for sample in samples["llama"]]
+                row[f"{kind}_zoo"] = statistics.median(zoo_values)
+                row[f"{kind}_llama"] = statistics.median(llama_values)
+                row[f"{kind}_ratio"] = statistics.median(z / ll for z, ll in zip(zoo_values, llama_values))
+            row["cache_bytes_per_token_zoo"] = cache["zoo"] / tokens
+            row["cache_bytes_per_token_llama"] = cache["llama"] / tokens
+            rows.append(row)
+            log(
+                f"{name:15s} batch {batch_size}: prefill {row['prefill_zoo']:8,.0f}/s ({row['prefill_ratio']:.2f}x), "
+                f"decode {row['decode_zoo']:6,.0f}/s ({row['decode_ratio']:.2f}x), "
+                f"cache {row['cache_bytes_per_token_zoo']:,.0f} B/token"
+            )
+    return rows
+
+
+def decode_table(rows: list[dict], setup: DecodeSetup) -> str:
+    lines = [
+        f"`generate()` of {setup.new_tokens} tokens after a {setup.prompt_len}-token prompt, greedy, the scaling "
+        f"benchmark's configs (6 layers x 256), {torch.get_num_threads()} CPU threads; `LlamaForCausalLM` of the same "
+        f"width, depth and head counts alternating in the same process; medians of {setup.repeats} best-of-"
+        f"{setup.runs} samples. Cache: bytes the cache holds per token (prompt and generated) at the end.",
+        "",
+        "| variant | batch | prefill tok/s | vs Llama | decode tok/s | vs Llama | cache B/token | Llama's |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| `{row['variant']}` | {row['batch_size']} | {row['prefill_zoo']:,.0f} | {row['prefill_ratio']:.2f} "
+            f"| {row['decode_zoo']:,.0f} | {row['decode_ratio']:.2f} | {row['cache_bytes_per_token_zoo']:,.0f} "
+            f"| {row['cache_bytes_per_token_llama']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def decode_plot(rows: list[dict], path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+    except ImportError:
+        return False
+    batch_sizes = sorted({row["batch_size"] for row in rows})
+    variants = list(dict.fromkeys(row["variant"] for row in rows))
+    figure, axes = plt.subplots(1, len(batch_sizes), figsize=(7 * len(batch_sizes), 5), squeeze=False)
+    for axis, batch_size in zip(axes[0], batch_sizes):
+        by_variant = {row["variant"]: row for row in rows if row["batch_size"] == batch_size}
+        x = range(len(variants))
+        axis.bar(x, [by_variant[v]["decode_zoo"] for v in variants], color="tab:blue", label="zoo variant")
+        axis.scatter(
+            x,
+            [by_variant[v]["decode_llama"] for v in variants],
+            color="tab:red",
+            marker="_",
+            s=400,
+            linewidths=3,
+            label="LlamaForCausalLM, same size",
+            zorder=3,
+        )
+        axis.set_xticks(list(x), variants, rotation=45, ha="right")
+        axis.set(ylabel="decode tokens/s", title=f"generate() decode speed, batch {batch_size}")
+        axis.grid(True, axis="y", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
