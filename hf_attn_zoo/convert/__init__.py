@@ -1,5 +1,6 @@
-"""Conversions between zoo checkpoints and transformers' own models."""
+"""Conversions: Llama-family <-> zoo, key/value head pooling (MHA -> GQA/MQA), GGUF files."""
 
 from .llama import from_llama, to_llama, zoo_config_from_llama
+from .pooling import METHODS, mha_to_gqa
 
-__all__ = ["from_llama", "to_llama", "zoo_config_from_llama"]
+__all__ = ["METHODS", "from_llama", "mha_to_gqa", "to_llama", "zoo_config_from_llama"]

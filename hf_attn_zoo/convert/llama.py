@@ -1,13 +1,16 @@
-"""Llama <-> zoo: the MHA family shares Llama's module layout and parameter names, so conversion is a config
+"""Llama-family <-> zoo: the MHA family shares Llama's module layout and parameter names, so conversion is a config
 translation and a plain `load_state_dict`.
 
-`from_llama` picks the variant from the head counts (G = H: `mha`, G = 1: `mqa`, else `gqa`; one head:
-`single_head`) unless told otherwise; `to_llama` refuses a zoo model whose backbone Llama cannot express.
+`from_llama` takes Llama, Mistral (without an active sliding window) and Qwen2 models, and picks the variant from the
+head counts (G = H: `mha`, G = 1: `mqa`, else `gqa`; one head: `single_head`) unless told otherwise. Qwen2 has
+biases on the query, key and value projections but not on the output one: the zoo model gets a zero output bias,
+which computes the same function. `to_llama` refuses a zoo model whose backbone Llama cannot express.
 """
 
 import os
 
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedConfig
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from ..models import ZooConfig, ZooForCausalLM, get_variant
 
@@ -47,10 +50,24 @@ def default_variant(num_attention_heads: int, num_key_value_heads: int) -> str:
     return "mqa" if num_key_value_heads == 1 else "gqa"
 
 
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
 def zoo_config_from_llama(llama_config: PreTrainedConfig, variant: str | None = None) -> ZooConfig:
-    """The zoo config describing the same network as a Llama-architecture config."""
+    """The zoo config describing the same network as a Llama-architecture config (Llama, Mistral, Qwen2)."""
+    if llama_config.model_type not in LLAMA_FAMILY:
+        raise ValueError(f"model_type={llama_config.model_type!r}: only {LLAMA_FAMILY} checkpoints convert.")
+    window = getattr(llama_config, "sliding_window", None)
+    uses_window = getattr(llama_config, "use_sliding_window", True)
+    if window is not None and uses_window and window < llama_config.max_position_embeddings:
+        raise ValueError(
+            f"sliding_window={window}: this checkpoint attends through a window, which the MHA family does not; "
+            f"load it into the sliding_window variant instead."
+        )
     fields = {name: getattr(llama_config, name) for name in SHARED_FIELDS if hasattr(llama_config, name)}
     fields["rope_parameters"] = dict(llama_config.rope_parameters)
+    if llama_config.model_type == "qwen2":
+        fields["attention_bias"] = True  # q/k/v biases; o_proj's is added as zeros
     variant = variant or default_variant(fields["num_attention_heads"], fields["num_key_value_heads"])
     if variant not in MHA_FAMILY:
         raise ValueError(f"variant={variant!r}: Llama weights load into the MHA family only, one of {MHA_FAMILY}.")
@@ -59,18 +76,22 @@ def zoo_config_from_llama(llama_config: PreTrainedConfig, variant: str | None = 
 
 
 def from_llama(
-    model_or_path: LlamaForCausalLM | str | os.PathLike, variant: str | None = None, **from_pretrained_kwargs
+    model_or_path: PreTrainedModel | str | os.PathLike, variant: str | None = None, **from_pretrained_kwargs
 ) -> ZooForCausalLM:
-    """A zoo MHA-family model with the weights of a `LlamaForCausalLM` (an instance, or a path / Hub id loaded with
-    `LlamaForCausalLM.from_pretrained(path, **from_pretrained_kwargs)`)."""
+    """A zoo MHA-family model with the weights of a Llama, Mistral or Qwen2 causal LM (an instance, or a path / Hub id
+    loaded with `AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)`)."""
     if isinstance(model_or_path, (str, os.PathLike)):
-        llama = LlamaForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
+        llama = AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
     else:
         llama = model_or_path
     config = zoo_config_from_llama(llama.config, variant)
     config._attn_implementation = llama.config._attn_implementation
     model = get_variant(config.model_type).causal_lm_class(config)
-    model.load_state_dict(llama.state_dict(), strict=True)
+    state = llama.state_dict()
+    for name, tensor in model.state_dict().items():
+        if name.endswith("o_proj.bias") and name not in state:  # Qwen2: no output bias, i.e. a zero one
+            state[name] = torch.zeros_like(tensor)
+    model.load_state_dict(state, strict=True)
     return model.to(llama.dtype).train(llama.training)
 
 

