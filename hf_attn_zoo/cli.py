@@ -5,10 +5,13 @@
     hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
     hf-attn-zoo lm-eval-task --data FILE... --out DIR   an lm-evaluation-harness task over local files
     hf-attn-zoo convert SRC OUT --to gqa|mqa [--num-key-value-heads G] [--method mean]   pool key/value heads
+    hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
     hf-attn-zoo bench llama [options]     speed of a variant against LlamaForCausalLM at the same size
     hf-attn-zoo bench scaling [options]   time, memory and cache of every variant against sequence length
     hf-attn-zoo bench training [options]  training tokens/s of every variant's preset against the same-size Llama
     hf-attn-zoo bench decode [options]    prefill/decode tokens/s and cache bytes of every variant against Llama
+    hf-attn-zoo bench fast-decode [options]   decode tokens/s: dynamic vs static cache vs compiled step, and Llama's
+    hf-attn-zoo bench int8 [options]      int8 weights and a 4-bit KV cache against float32: perplexity, size, speed
     hf-attn-zoo bench uptrain [options]   the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
                                           generate a sample, save and reload it
@@ -104,15 +107,19 @@ def convert_command(args: argparse.Namespace) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .demo import DemoOptions, run_demo
+    from .evaluation.int8 import Int8Setup
     from .evaluation.scaling import ScalingSetup, run_scaling
     from .evaluation.speed import (
         DecodeSetup,
+        FastDecodeSetup,
         SpeedSetup,
         TrainingThroughputSetup,
         compare_with_llama,
         decode_benchmark,
         decode_plot,
         decode_table,
+        fast_decode_benchmark,
+        fast_decode_table,
         training_throughput,
         training_throughput_table,
     )
@@ -143,6 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     about = "prefill and decode tokens/s and cache bytes per token of every variant against the same-size Llama"
     decode = benchmarks.add_parser("decode", help=about, description=about, dataclass_types=[DecodeSetup])
     decode.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the results go")
+    about = "int8 weights (torchao) and a 4-bit key/value cache (quanto) against float32: perplexity, size, speed"
+    int8 = benchmarks.add_parser("int8", help=about, description=about, dataclass_types=[Int8Setup])
+    int8.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the results go")
+    about = "decode tokens/s with the dynamic cache, the static cache and the compiled step, against Llama's"
+    fast = benchmarks.add_parser("fast-decode", help=about, description=about, dataclass_types=[FastDecodeSetup])
+    fast.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the results go")
     about = "corpus-level perplexity (sliding windows), bits per byte and word perplexity of a causal LM"
     evaluation = commands.add_parser("eval", help=about, description=about, dataclass_types=[])
     evaluation.add_argument("model", help="checkpoint path or name (zoo or any AutoModelForCausalLM)")
@@ -168,6 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert.add_argument("--num-key-value-heads", type=int, default=None, help="G for --to gqa")
     convert.add_argument("--method", choices=["mean", "first", "random"], default="mean", help="how heads are pooled")
     convert.add_argument("--gguf-file", default=None, help="GGUF file inside SRC")
+    about = "upload a saved checkpoint folder (model, tokenizer, model card) to a Hugging Face Hub model repo"
+    push = commands.add_parser("push", help=about, description=about, dataclass_types=[])
+    push.add_argument("checkpoint", type=Path, help="folder written by save_pretrained, training or convert")
+    push.add_argument("repo", help="model repo id, NAMESPACE/NAME (created if missing)")
+    push.add_argument("--revision", default=None, help="branch to push to (created from main if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private (an existing one is kept as is)")
     about = "train a small model on Python's standard library, score it, generate, save and reload it"
     commands.add_parser("demo", help=about, description=about, dataclass_types=[DemoOptions])
     args = parser.parse_args(argv)
@@ -178,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         evaluate_command(args)
     elif args.command == "convert":
         convert_command(args)
+    elif args.command == "push":
+        from .hub import push_checkpoint
+
+        print(push_checkpoint(args.checkpoint, args.repo, args.revision, args.private))
     elif args.command == "lm-eval-task":
         from .data import expand_files
         from .evaluation.lm_eval_task import command, write_task
@@ -206,6 +229,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.output_dir / "decode.md").write_text(decode_table(rows, setup) + "\n")
         (args.output_dir / "decode.json").write_text(json.dumps(rows, indent=2) + "\n")
         decode_plot(rows, args.output_dir / "decode.png")
+    elif args.command == "bench" and args.benchmark == "int8":
+        from .evaluation.int8 import int8_table, run_int8
+
+        setup = _options(args, Int8Setup)
+        rows = run_int8(setup)
+        print(int8_table(rows, setup))
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / "int8.md").write_text(int8_table(rows, setup) + "\n")
+        (args.output_dir / "int8.json").write_text(json.dumps(rows, indent=2) + "\n")
+    elif args.command == "bench" and args.benchmark == "fast-decode":
+        setup = _options(args, FastDecodeSetup)
+        rows = fast_decode_benchmark(setup)
+        print(fast_decode_table(rows, setup))
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / "fast_decode.md").write_text(fast_decode_table(rows, setup) + "\n")
+        (args.output_dir / "fast_decode.json").write_text(json.dumps(rows, indent=2) + "\n")
     elif args.command == "bench" and args.benchmark == "training":
         setup = _options(args, TrainingThroughputSetup)
         table = training_throughput_table(training_throughput(setup), setup)

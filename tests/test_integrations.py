@@ -13,15 +13,11 @@ from hf_attn_zoo.models import VARIANTS
 from conftest import CONFORMANCE
 
 
-def byte_model(name: str):
+def byte_model(name: str, **overrides):
+    """A tiny `name` model (seeded) with the byte-level tokenizer; `overrides` are config fields."""
     tokenizer = byte_level_tokenizer()
-    config = VARIANTS[name].config(
-        **tokenizer_fields(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        max_position_embeddings=128,
-        **CONFORMANCE[name]["config"],
-    )
+    fields = dict(hidden_size=32, num_hidden_layers=2, max_position_embeddings=128, **CONFORMANCE[name]["config"])
+    config = VARIANTS[name].config(**tokenizer_fields(tokenizer), **{**fields, **overrides})
     torch.manual_seed(0)
     return VARIANTS[name].causal_lm_class(config), tokenizer
 

@@ -383,3 +383,100 @@ def decode_plot(rows: list[dict], path) -> bool:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
+
+
+@dataclass
+class FastDecodeSetup:
+    """Decode tokens/s with the dynamic cache, the static cache and the compiled decode step, against the same-size
+    `LlamaForCausalLM` doing the same (the scaling benchmark's 8.4M configs)."""
+
+    variants: list[str] = field(
+        default_factory=lambda: ["mha", "gqa", "mqa", "sliding_window"], metadata={"help": "variants to measure"}
+    )
+    batch_size: int = field(default=1, metadata={"help": "rows per generate()"})
+    prompt_len: int = field(default=128, metadata={"help": "prompt tokens"})
+    new_tokens: int = field(default=128, metadata={"help": "generated tokens per row"})
+    runs: int = field(default=2, metadata={"help": "calls per sample; the fastest counts"})
+    repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
+
+
+FAST_DECODE_MODES = ("dynamic", "static", "compiled")
+
+
+@torch.no_grad()
+def decode_rate(model, mode: str, prompt: torch.Tensor, new_tokens: int, runs: int) -> tuple[float, torch.Tensor]:
+    """(decode tokens/s, tokens) of greedy generation in `mode`: the time of `new_tokens` tokens minus the time of
+    one (the prefill), so only decode steps count; a compiled step is warmed up (compiled) before timing."""
+    from ..decoding import generate_compiled
+
+    kwargs = dict(do_sample=False, pad_token_id=0)
+
+    def generate(count: int) -> torch.Tensor:
+        if mode == "compiled":
+            # the same total cache length for both calls, so they share one compiled graph
+            return generate_compiled(model, prompt, max_new_tokens=count, min_new_tokens=count, **kwargs)
+        cache = {"cache_implementation": "static"} if mode == "static" else {}
+        return model.generate(prompt, max_new_tokens=count, min_new_tokens=count, **cache, **kwargs)
+
+    tokens = generate(new_tokens)  # warm-up: compiles the decode step
+    whole = _fastest(lambda: generate(new_tokens), runs)
+    first = _fastest(lambda: generate(1), runs)
+    return prompt.shape[0] * (new_tokens - 1) / max(whole - first, 1e-9), tokens
+
+
+def fast_decode_benchmark(setup: FastDecodeSetup, log: Callable[[str], None] = print) -> list[dict]:
+    from .scaling import ScalingSetup, benchmark_model
+
+    size = ScalingSetup()
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, size.vocab_size, (setup.batch_size, setup.prompt_len), generator=generator)
+    rows = []
+    for name in setup.variants:
+        zoo = benchmark_model(name, size, max_length=setup.prompt_len + setup.new_tokens)
+        llama = LlamaForCausalLM(llama_like(zoo.config)).eval()
+        row = {"variant": name, "batch_size": setup.batch_size}
+        reference = None
+        for mode in FAST_DECODE_MODES:
+            samples = {"zoo": [], "llama": []}
+            for repeat in range(setup.repeats):
+                order = [("zoo", zoo), ("llama", llama)]
+                for label, model in order if repeat % 2 == 0 else reversed(order):
+                    rate, tokens = decode_rate(model, mode, prompt, setup.new_tokens, setup.runs)
+                    samples[label].append(rate)
+                    if label == "zoo":  # every mode must produce the dynamic cache's tokens
+                        reference = tokens if reference is None else reference
+                        row[f"{mode}_same_tokens"] = bool(torch.equal(tokens, reference))
+            row[f"{mode}_zoo"] = statistics.median(samples["zoo"])
+            row[f"{mode}_llama"] = statistics.median(samples["llama"])
+            row[f"{mode}_ratio"] = statistics.median(z / ll for z, ll in zip(samples["zoo"], samples["llama"]))
+            torch._dynamo.reset()  # the next model compiles its own graph
+        rows.append(row)
+        log(
+            f"{name:15s} "
+            + ", ".join(
+                f"{mode} {row[f'{mode}_zoo']:6,.0f}/s ({row[f'{mode}_ratio']:.2f}x)" for mode in FAST_DECODE_MODES
+            )
+        )
+    return rows
+
+
+def fast_decode_table(rows: list[dict], setup: FastDecodeSetup) -> str:
+    threads = torch.get_num_threads()
+    lines = [
+        f"Decode tokens/s, greedy, batch {setup.batch_size}, {setup.new_tokens} tokens after a {setup.prompt_len}-"
+        f"token prompt, {threads} CPU threads, the scaling benchmark's configs (6 layers x 256): dynamic cache, "
+        f'`cache_implementation="static"`, and the static cache with the `torch.compile`d decode step '
+        f"(`hf_attn_zoo.decoding.generate_compiled`); `LlamaForCausalLM` of the same size doing the same, "
+        f"alternating in the same process, medians of {setup.repeats} best-of-{setup.runs} samples.",
+        "",
+        "| variant | dynamic | vs Llama | static | vs Llama | compiled | vs Llama | compiled/dynamic | same tokens |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        same = all(row[f"{mode}_same_tokens"] for mode in FAST_DECODE_MODES)
+        lines.append(
+            f"| `{row['variant']}` | "
+            + " | ".join(f"{row[f'{mode}_zoo']:,.0f} | {row[f'{mode}_ratio']:.2f}" for mode in FAST_DECODE_MODES)
+            + f" | {row['compiled_zoo'] / row['dynamic_zoo']:.2f} | {'yes' if same else 'NO'} |"
+        )
+    return "\n".join(lines)

@@ -314,7 +314,28 @@ class ZooPreTrainedModel(PreTrainedModel):
         # transformers writes only the saved class into `auto_map`; list the three Auto classes so the checkpoint
         # loads with `trust_remote_code=True` as a config, a base model or a causal LM.
         self.config.auto_map = auto_map_for(type(self))
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", args[0] if args else True):
+            _write_model_card(save_directory, self.config)  # a card already in the folder (a trainer's) is kept
+        return result
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        # `push_to_hub` overwrites the README.md `save_pretrained` wrote, with the repo's card or, for a repo without
+        # one, a generic template (transformers' `create_and_tag_model_card`); this hook sees the folder just before
+        # the upload and puts the zoo card in place of that template.
+        _write_model_card(working_dir, self.config, repo_id=repo_id, replace_generic=True)
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
+
+
+def _write_model_card(folder, config: ZooConfig, **kwargs) -> None:
+    """The package's model card (`hf_attn_zoo.cards.write_card`) in `folder`. This module travels with checkpoints
+    and may run as remote code where the package is not installed: then nothing is written. (transformers does not
+    count imports inside `try` as requirements of remote code.)"""
+    try:
+        from hf_attn_zoo.cards import write_card
+    except ImportError:
+        return
+    write_card(folder, config, **kwargs)
 
 
 # Which config fields size each kind of tensor, to say what to fix when a checkpoint does not fit its config.
@@ -358,6 +379,8 @@ class ZooSoftmaxKernels:
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
+    # key/value caches written in place and masks of fixed shape: a static-cache decode step compiles to one graph
+    _can_compile_fullgraph = True
 
 
 def auto_map_for(model_class: type[ZooPreTrainedModel]) -> dict[str, str]:
@@ -543,15 +566,20 @@ class ZooModel(ZooPreTrainedModel):
         position_ids: torch.LongTensor,
     ) -> BlockwiseCausalMask:
         batch_size, query_length = inputs_embeds.shape[:2]
-        key_length = query_length
+        key_length, past_length = query_length, 0
         if past_key_values is not None:
             key_length, _ = past_key_values.get_mask_sizes(query_length, 0)
+            # The queries follow the cached tokens. A rolling (sliding) cache holds only the last of them; a static
+            # cache is longer than what it holds, and its slots after the queries are empty (causality hides them).
+            past_length = min(int(past_key_values.get_seq_length()), key_length - query_length)
         key_padding = None
         if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-            key_padding = attention_mask[:, -key_length:].bool()
+            seen = attention_mask.shape[1] - query_length  # tokens before the queries, cached or not
+            key_padding = attention_mask[:, seen - past_length :].bool()  # (B, past_length + T): the keys held
+            key_padding = F.pad(key_padding, (0, key_length - key_padding.shape[1]), value=False)  # (B, S)
         mask = BlockwiseCausalMask(
             key_length=key_length,
-            past_length=key_length - query_length,
+            past_length=past_length,
             key_padding=key_padding,
             sliding_window=getattr(self.config, "sliding_window", None),
         )
@@ -662,6 +690,28 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
                 f"cache_implementation={generation_config.cache_implementation!r} does not apply; leave it unset."
             )
         model_kwargs["past_key_values"] = self.model.make_cache()
+
+    def create_masks_for_generate(
+        self,
+        config: ZooConfig,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+        position_ids: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor | None:
+        """With a static cache `generate` builds the 4D mask outside the model, so that a compiled decode step sees
+        fixed shapes. That suits the dense path (ALiBi's bias is added to it in `forward`); kernels that walk over
+        blocks build their mask from the 2D padding mask, so for them it stays 2D."""
+        if self.model._mask_type(inputs_embeds.shape[1], False) != "dense":
+            return attention_mask
+        return self.model.create_dense_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
 
     def _fuse_loss(self, logits_to_keep: int | torch.Tensor) -> bool:
         """Whether training can skip the logits: only a plain `nn.Linear` head (not one wrapped by PEFT or a

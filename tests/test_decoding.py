@@ -1,0 +1,57 @@
+"""Static caches and the compiled decode step give the tokens of the dynamic cache."""
+
+import pytest
+import torch
+
+from hf_attn_zoo.decoding import generate_compiled, static_cache
+from hf_attn_zoo.models import VARIANTS
+
+from test_integrations import byte_model
+
+PROMPTS = ["hi", "a much longer prompt, longer than twice the window"]  # left padding, and a banded prefill
+
+
+def key_value_variants() -> list[str]:
+    """Variants whose cache holds keys and values (the others decode from a recurrent state)."""
+    from hf_attn_zoo.models.modeling_zoo import ZooModel
+
+    return [name for name, variant in VARIANTS.items() if variant.model_class.make_cache is ZooModel.make_cache]
+
+
+def prompts(tokenizer):
+    return tokenizer(PROMPTS, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize(
+    "name, position",
+    [
+        (name, position)
+        for name in key_value_variants()
+        for position in ("rope", "alibi", "learned")  # relative, biased scores, absolute: each reads positions
+        if position in VARIANTS[name].position_types
+    ],
+)
+def test_static_cache_generates_the_tokens_of_the_dynamic_cache(name, position):
+    model, tokenizer = byte_model(name, position_embedding_type=position)
+    inputs = prompts(tokenizer)
+    dynamic = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    static = model.generate(**inputs, max_new_tokens=12, do_sample=False, cache_implementation="static")
+    torch.testing.assert_close(static, dynamic, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["gqa", "sliding_window"])
+def test_compiled_decode_step_generates_the_tokens_of_the_dynamic_cache(name):
+    model, tokenizer = byte_model(name)
+    inputs = prompts(tokenizer)
+    dynamic = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    compiled = generate_compiled(model, **inputs, max_new_tokens=12, do_sample=False)
+    assert hasattr(model, "_compiled_call")  # generate() really took the compiled decode step
+    again = generate_compiled(model, **inputs, max_new_tokens=12, do_sample=False)  # reuses the graph
+    torch.testing.assert_close(compiled, dynamic, rtol=0, atol=0)
+    torch.testing.assert_close(again, dynamic, rtol=0, atol=0)
+
+
+def test_static_cache_refuses_a_state_variant():
+    model, _ = byte_model("aft_simple")
+    with pytest.raises(ValueError, match="_can_compile_fullgraph"):
+        static_cache(model, 32)

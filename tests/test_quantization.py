@@ -1,0 +1,83 @@
+"""int8 weights (torchao) and a quantized key/value cache (optimum-quanto) on zoo models."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_attn_zoo.quantization import int8_config, quantize_int8, quantized_cache_kwargs
+
+from test_integrations import byte_model
+
+pytest.importorskip("torchao")
+
+
+def relative_error(approximate: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approximate - exact).norm() / exact.norm())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # a larger init than the default makes the logits far from uniform, so quantization error is measurable
+    model, tokenizer = byte_model("gqa", hidden_size=64, initializer_range=0.2)
+    folder = tmp_path_factory.mktemp("fp32")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model.eval(), tokenizer
+
+
+@pytest.mark.parametrize("mode", ["weight_only", "dynamic"])
+def test_int8_weights_through_from_pretrained(checkpoint, mode):
+    folder, fp32, tokenizer = checkpoint
+    inputs = tokenizer(["int8 weights", "a second, longer prompt"], return_tensors="pt", padding=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=int8_config(mode)).eval()
+    linear = model.model.layers[0].mlp.up_proj.weight
+    assert linear.dtype == torch.float32 and "Int8" in type(linear).__name__  # int8 storage behind a float API
+    assert type(model.lm_head.weight) is torch.nn.Parameter  # the head stays full precision
+    with torch.no_grad():
+        quantized, exact = model(**inputs).logits, fp32(**inputs).logits
+        in_place = quantize_int8(copy.deepcopy(fp32), mode)(**inputs).logits
+    error = relative_error(quantized, exact)
+    assert 0 < error < 0.1, error  # really quantized, and close (a few % on this deliberately sharp tiny model)
+    torch.testing.assert_close(in_place, quantized, rtol=0, atol=0)  # the two routes are the same quantization
+    assert model.generate(**inputs, max_new_tokens=4, do_sample=False).shape[1] == inputs.input_ids.shape[1] + 4
+
+
+def test_int8_checkpoint_round_trip(checkpoint, tmp_path):
+    folder, _, tokenizer = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=int8_config()).eval()
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    inputs = tokenizer(["saved in int8"], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
+    assert sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) < 0.6 * sum(
+        f.stat().st_size for f in folder.glob("*.safetensors")
+    )
+
+
+def test_quantized_key_value_cache(checkpoint):
+    pytest.importorskip("optimum.quanto")
+    _, fp32, tokenizer = checkpoint
+    inputs = tokenizer(["a prompt longer than the residual length of the cache"], return_tensors="pt")
+    settings = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    exact = fp32.generate(**inputs, **settings)
+    errors = {}
+    for nbits in (2, 4):
+        quantized = fp32.generate(**inputs, **settings, **quantized_cache_kwargs(fp32, nbits, residual_length=8))
+        assert type(quantized.past_key_values).__name__ == "QuantizedCache"
+        # the prompt's keys and values went through `nbits` integers: the first decoded step's scores move
+        errors[nbits] = relative_error(quantized.scores[1], exact.scores[1])
+    assert 0 < errors[4] < errors[2] and errors[4] < 0.3, errors  # more bits, closer to float32
+
+
+def test_quantization_errors(checkpoint):
+    _, fp32, _ = checkpoint
+    with pytest.raises(ValueError, match="mode='int4'"):
+        int8_config("int4")
+    with pytest.raises(ValueError, match="nbits=8"):
+        quantized_cache_kwargs(fp32, nbits=8)
+    state_model, tokenizer = byte_model("aft_simple")
+    with pytest.raises(ValueError, match="decodes from a state"):
+        state_model.generate(**tokenizer(["x"], return_tensors="pt"), max_new_tokens=2, **quantized_cache_kwargs(fp32))
