@@ -4,6 +4,7 @@
     hf-attn-zoo train CONFIG [overrides]  train from a YAML recipe (configs/train/*.yaml), `--training.max_steps 100`
     hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
     hf-attn-zoo lm-eval-task --data FILE... --out DIR   an lm-evaluation-harness task over local files
+    hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap
     hf-attn-zoo convert SRC OUT --to gqa|mqa [--num-key-value-heads G] [--method mean]   pool key/value heads
     hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
     hf-attn-zoo bench llama [options]     speed of a variant against LlamaForCausalLM at the same size
@@ -173,6 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     task.add_argument("--out", type=Path, required=True, help="folder for the task (lm_eval's --include_path)")
     task.add_argument("--name", default="zoo_text", help="task name")
     task.add_argument("--checkpoint", default="CHECKPOINT", help="model for the printed command")
+    about = "draw one head's attention weights over a text as a heatmap (tokens on both axes)"
+    attention = commands.add_parser("attention", help=about, description=about, dataclass_types=[])
+    attention.add_argument("checkpoint", help="checkpoint folder or name")
+    attention.add_argument("text", help="the text to attend over")
+    attention.add_argument("--out", type=Path, default=Path("attention.png"), help="image file to write")
+    attention.add_argument("--layer", type=int, default=0, help="layer index (negative counts from the end)")
+    attention.add_argument("--head", type=int, default=0, help="query head index")
+    attention.add_argument("--trust-remote-code", action="store_true", help="run the code saved with the model")
     about = "pool the key/value heads of an MHA-family checkpoint (zoo, Llama, Mistral, Qwen2 or GGUF) into G"
     convert = commands.add_parser("convert", help=about, description=about, dataclass_types=[])
     convert.add_argument("src", help="checkpoint folder or name; with --gguf-file, the folder holding the file")
@@ -195,6 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(variant_table())
     elif args.command == "eval":
         evaluate_command(args)
+    elif args.command == "attention":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .evaluation.attention_maps import plot_attention
+
+        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, trust_remote_code=args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(args.checkpoint, trust_remote_code=args.trust_remote_code)
+        plot_attention(model.eval(), tokenizer, args.text, args.layer, args.head, args.out)
+        print(f"layer {args.layer}, head {args.head} of {args.checkpoint} written to {args.out}")
     elif args.command == "convert":
         convert_command(args)
     elif args.command == "push":

@@ -1,6 +1,11 @@
-"""The transformers machinery users reach for first: pipelines, the Trainer."""
+"""The transformers machinery users reach for first: pipelines (with and without the package), the Trainer."""
 
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -22,15 +27,58 @@ def byte_model(name: str, **overrides):
     return VARIANTS[name].causal_lm_class(config), tokenizer
 
 
+PROMPTS = ["hello", "a longer prompt"]
+
+
+def pipeline_texts(folder, **kwargs) -> list[str]:
+    generator = pipeline("text-generation", model=str(folder), **kwargs)
+    return [out[0]["generated_text"] for out in generator(PROMPTS, max_new_tokens=6, do_sample=False)]
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_text_generation_pipeline_from_a_checkpoint(name, tmp_path):
     model, tokenizer = byte_model(name)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    generator = pipeline("text-generation", model=str(tmp_path))
-    out = generator(["hello", "a longer prompt"], max_new_tokens=6, do_sample=False)
-    for prompt, result in zip(["hello", "a longer prompt"], out):
-        assert result[0]["generated_text"].startswith(prompt)
+    expected = []
+    for prompt in PROMPTS:  # what generate() gives for each prompt alone
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        expected.append(tokenizer.decode(model.generate(ids, max_new_tokens=6, do_sample=False)[0]))
+    assert pipeline_texts(tmp_path) == expected
+
+
+PIPELINE_WITHOUT_PACKAGE = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["hf_attn_zoo"] = None  # any attempt to import the package now fails
+    from transformers import pipeline
+
+    texts = {}
+    for folder in sys.argv[1:]:
+        generator = pipeline("text-generation", model=folder, trust_remote_code=True)
+        assert type(generator.model).__module__.startswith("transformers_modules."), type(generator.model).__module__
+        out = generator(json.loads(open(folder + "/prompts.json").read()), max_new_tokens=6, do_sample=False)
+        texts[folder] = [row[0]["generated_text"] for row in out]
+    print(json.dumps(texts))
+    """
+)
+
+
+def test_text_generation_pipeline_without_the_package(tmp_path):
+    expected = {}
+    for name in VARIANTS:
+        model, tokenizer = byte_model(name)
+        folder = tmp_path / name
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "prompts.json").write_text(json.dumps(PROMPTS))
+        expected[str(folder)] = pipeline_texts(folder)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run(
+        [sys.executable, "-c", PIPELINE_WITHOUT_PACKAGE, *expected], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
 
 
 def test_trainer_lowers_the_loss(tmp_path):
