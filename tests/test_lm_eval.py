@@ -41,6 +41,7 @@ def test_lm_eval_word_perplexity_equals_the_harness(tmp_path):
         tasks=["zoo_text"],
         task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
         batch_size=1,
+        device="cpu",  # lm-eval's hf model asks for CUDA by default
     )
     metrics = results["results"]["zoo_text"]
     ours = score_texts(model, tokenizer, [text], max_length=512)  # BOS = EOS: lm-eval's prefix token too

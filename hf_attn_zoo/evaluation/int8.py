@@ -126,8 +126,9 @@ def int8_table(rows: list[dict], setup: Int8Setup) -> str:
             delta = f"{100 * (row['perplexity'] / base['perplexity'] - 1):+.2f}%"
         if row["weight_bytes"] is not None:
             size = f"{row['weight_bytes'] / 2**20:.0f} MiB"
+        setting = row["setting"] + (" (timed against itself: the noise)" if row is base else "")
         lines.append(
-            f"| {row['setting']} | {perplexity} | {delta} | {size} | {row['decode_tokens_per_second']:.1f} "
+            f"| {setting} | {perplexity} | {delta} | {size} | {row['decode_tokens_per_second']:.1f} "
             f"| {row['decode_vs_float32']:.2f} | {100 * row['greedy_tokens_equal_to_float32']:.0f}% |"
         )
     return "\n".join(lines)

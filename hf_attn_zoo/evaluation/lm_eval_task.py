@@ -49,7 +49,10 @@ def write_task(files: list[str | os.PathLike], folder: str | os.PathLike, name: 
 
 
 def command(checkpoint: str, folder: str | os.PathLike, name: str = "zoo_text") -> str:
+    import torch
+
+    device = "" if torch.cuda.is_available() else " --device cpu"  # lm-eval's hf model asks for CUDA by default
     return (
         f"lm_eval --model hf --model_args pretrained={checkpoint},trust_remote_code=True "
-        f"--include_path {folder} --tasks {name}"
+        f"--include_path {folder} --tasks {name}{device}"
     )
