@@ -51,6 +51,13 @@ def _options(namespace: argparse.Namespace, options_class: type):
     return options_class(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(options_class) if f.init})
 
 
+def write_results(output_dir: Path, stem: str, table: str, rows: list[dict]) -> None:
+    """A benchmark's markdown table and raw rows, as `<stem>.md` and `<stem>.json` in `output_dir`."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"{stem}.md").write_text(table + "\n")
+    (output_dir / f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
 def evaluate_command(args: argparse.Namespace) -> dict:
     from .data import expand_files
     from .evaluation.perplexity import load_for_scoring, score_texts
@@ -243,9 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup = _options(args, DecodeSetup)
         rows = decode_benchmark(setup)
         print(decode_table(rows, setup))
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        (args.output_dir / "decode.md").write_text(decode_table(rows, setup) + "\n")
-        (args.output_dir / "decode.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(args.output_dir, "decode", decode_table(rows, setup), rows)
         decode_plot(rows, args.output_dir / "decode.png")
     elif args.command == "bench" and args.benchmark == "int8":
         from .evaluation.int8 import int8_table, run_int8
@@ -253,16 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup = _options(args, Int8Setup)
         rows = run_int8(setup)
         print(int8_table(rows, setup))
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        (args.output_dir / "int8.md").write_text(int8_table(rows, setup) + "\n")
-        (args.output_dir / "int8.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(args.output_dir, "int8", int8_table(rows, setup), rows)
     elif args.command == "bench" and args.benchmark == "fast-decode":
         setup = _options(args, FastDecodeSetup)
         rows = fast_decode_benchmark(setup)
         print(fast_decode_table(rows, setup))
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        (args.output_dir / "fast_decode.md").write_text(fast_decode_table(rows, setup) + "\n")
-        (args.output_dir / "fast_decode.json").write_text(json.dumps(rows, indent=2) + "\n")
+        write_results(args.output_dir, "fast_decode", fast_decode_table(rows, setup), rows)
     elif args.command == "bench" and args.benchmark == "training":
         setup = _options(args, TrainingThroughputSetup)
         table = training_throughput_table(training_throughput(setup), setup)

@@ -10,11 +10,11 @@ from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
 from hf_attn_zoo.lora import LORA_TARGET_MODULES, lora_table, lora_target_modules
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import CONFORMANCE, tiny_model
+from conftest import tiny_model
+from test_integrations import byte_model
 
 # peft 0.21 reads `model.is_gradient_checkpointing`, which transformers 5.x deprecates: peft's to fix, not ours
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -33,24 +33,11 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def byte_model(name: str):
-    """A 2-layer, 32-wide model of variant `name` (its conformance config) over the byte-level tokenizer.
-
-    Large init: LoRA leaves the embedding and the head tied to it frozen, and at the default std of 0.02 that head is
-    too small for any hidden state to move the logits far from uniform (measured over 8 steps: -0.1 to -0.3 nats; at
-    0.2: -1.2 to -2.2)."""
-    tokenizer = byte_level_tokenizer()
-    config = VARIANTS[name].config(
-        **tokenizer_fields(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        max_position_embeddings=128,
-        initializer_range=0.2,
-        **CONFORMANCE[name]["config"],
-    )
-    torch.manual_seed(0)
-    return VARIANTS[name].causal_lm_class(config), tokenizer
+def lora_model(name: str):
+    """A tiny model of variant `name` with a large init: LoRA leaves the embedding and the head tied to it frozen,
+    and at the default std of 0.02 that head is too small for any hidden state to move the logits far from uniform
+    (measured over 8 steps: -0.1 to -0.3 nats; at 0.2: -1.2 to -2.2)."""
+    return byte_model(name, intermediate_size=64, initializer_range=0.2)
 
 
 def lora_free_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,7 +57,7 @@ def adapted(request, tmp_path_factory):
     LoRA-wrapped with `lora_target_modules`, trained a few Trainer steps and saved as an adapter."""
     name = request.param
     root = tmp_path_factory.mktemp(f"peft-{name}")
-    model, tokenizer = byte_model(name)
+    model, tokenizer = lora_model(name)
     model.save_pretrained(root / "base")
     base = AutoModelForCausalLM.from_pretrained(root / "base")
     before = {key: tensor.clone() for key, tensor in lora_free_state(base).items()}
@@ -156,7 +143,7 @@ def test_merge_and_unload_equals_the_adapted_model(adapted):
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_all_linear_wraps_the_documented_modules_and_merges(name):
-    model, tokenizer = byte_model(name)
+    model, tokenizer = lora_model(name)
     ids = torch.tensor([tokenizer(TEXT[:40]).input_ids])
     with torch.no_grad():
         base_logits = model.eval()(ids).logits
