@@ -35,3 +35,28 @@ def test_smollm2_perplexity_on_the_gpl(smollm2):
     result = score_texts(model, tokenizer, [tokenizer.decode(ids)], max_length=2048)
     assert abs(result.tokens - 2047) <= 2
     assert result.perplexity == pytest.approx(19.89, abs=0.05)
+
+
+def test_smollm2_imports_into_zoo_gqa_and_pools_to_mqa(smollm2):
+    """GQA-3 SmolLM2 as `zoo_gqa`: transformers' Llama logits to 1e-4 (left padding included); mean-pooled to MQA it
+    is still a working model but a poor one until uptrained (README: ~9,650 on the GPL)."""
+    import torch
+
+    from hf_attn_zoo.convert import from_llama, mha_to_gqa
+
+    llama, tokenizer = smollm2
+    zoo = from_llama(llama).eval()
+    assert zoo.config.model_type == "zoo_gqa" and zoo.config.num_key_value_heads == 3
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["We hold these truths to be self-evident,", "Four score"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected, logits = llama(**batch).logits, zoo(**batch).logits
+    real = batch.attention_mask.bool()
+    torch.testing.assert_close(logits[real], expected[real], rtol=0, atol=1e-4)
+    mqa = mha_to_gqa(zoo, 1).eval()
+    assert mqa.config.model_type == "zoo_mqa"
+    ids = tokenizer(GPL3.read_text(), add_special_tokens=False)["input_ids"][:511]
+    text = tokenizer.decode(ids)
+    pooled = score_texts(mqa, tokenizer, [text], max_length=512).perplexity
+    imported = score_texts(zoo, tokenizer, [text], max_length=512).perplexity
+    assert imported < 40 and 1_000 < pooled < 100_000, (imported, pooled)
