@@ -186,6 +186,7 @@ class SmolLM2Setup:
     output_dir: str = field(default="benchmarks/uptrain/smollm2", metadata={"help": "run, results, plot"})
     recipe: str = field(default=str(CONFIGS / "uptrain" / "smollm2_mqa.yaml"), metadata={"help": "uptraining"})
     steps: int | None = field(default=None, metadata={"help": "uptraining steps (default: the recipe's)"})
+    learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate (default: the recipe's)"})
     eval_every: int = field(default=10, metadata={"help": "steps between held-out evaluations"})
     held_out_chars: int = field(default=60000, metadata={"help": "characters of the 2011-2021 addresses scored"})
 
@@ -246,6 +247,7 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
         "true",
     ]
     overrides += ["--training.max_steps", str(setup.steps)] if setup.steps is not None else []
+    overrides += ["--training.learning_rate", str(setup.learning_rate)] if setup.learning_rate is not None else []
     overrides += ["--training.resume_from_checkpoint", "latest"] if complete_checkpoints(out / "run") else []
     model_args, data_args, training_args = load_recipe(setup.recipe, overrides)
     summary = run_training(model_args, data_args, training_args)
@@ -257,13 +259,27 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
     ]
     uptrained = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
     result["gpl_perplexity"]["zoo_mqa_uptrained"] = gpl_perplexity(uptrained, tokenizer)
+    # the held-out text through the harness, for the model before pooling too: where recovery would end
+    result["held_out_perplexity"] = held_out_perplexities(
+        {"zoo_gqa": zoo, "zoo_mqa_pooled": mqa, "zoo_mqa_uptrained": uptrained}, tokenizer, held_out, data_args
+    )
     write_atomically(out / "results.json", json.dumps({"setup": asdict(setup), **result}, indent=2))
-    plot_recovery(result["recovery"], out / "recovery.png")
+    plot_recovery(result["recovery"], out / "recovery.png", reference=result["held_out_perplexity"]["zoo_gqa"])
     log(json.dumps(result, indent=2))
     return result
 
 
-def plot_recovery(recovery: list[dict], path: Path) -> bool:
+def held_out_perplexities(models: dict, tokenizer, held_out: Path, data_args) -> dict[str, float]:
+    text = held_out.read_text()
+    block = data_args.block_size
+    return {
+        name: score_texts(model, tokenizer, [text], max_length=block, batch_size=4).perplexity
+        for name, model in models.items()
+    }
+
+
+def plot_recovery(recovery: list[dict], path: Path, reference: float | None = None) -> bool:
+    """Held-out perplexity against uptraining tokens; `reference`: the model before pooling, as a dashed line."""
     try:
         import matplotlib
 
@@ -272,7 +288,15 @@ def plot_recovery(recovery: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     figure, axis = plt.subplots(figsize=(7, 5))
-    axis.plot([r["tokens"] for r in recovery], [r["held_out_perplexity"] for r in recovery], marker="o")
+    axis.plot(
+        [r["tokens"] for r in recovery],
+        [r["held_out_perplexity"] for r in recovery],
+        marker="o",
+        label="MQA, uptrained",
+    )
+    if reference is not None:
+        axis.axhline(reference, color="black", linestyle="--", label=f"GQA-3 before pooling ({reference:.1f})")
+        axis.legend()
     axis.set(
         xlabel="uptraining tokens",
         ylabel="held-out perplexity (SOTU 2011-2021)",
