@@ -187,8 +187,8 @@ class SmolLM2Setup:
     recipe: str = field(default=str(CONFIGS / "uptrain" / "smollm2_mqa.yaml"), metadata={"help": "uptraining"})
     steps: int | None = field(default=None, metadata={"help": "uptraining steps (default: the recipe's)"})
     learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate (default: the recipe's)"})
-    eval_every: int = field(default=10, metadata={"help": "steps between held-out evaluations"})
-    held_out_chars: int = field(default=60000, metadata={"help": "characters of the 2011-2021 addresses scored"})
+    eval_every: int = field(default=20, metadata={"help": "steps between held-out evaluations"})
+    held_out_chars: int = field(default=20000, metadata={"help": "characters of the 2011-2021 addresses scored"})
 
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
