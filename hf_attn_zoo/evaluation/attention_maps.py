@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .plotting import headless_pyplot, save_figure
+
 
 def attention_map(model, tokenizer, text: str, layer: int = 0, head: int = 0) -> tuple[list[str], torch.Tensor]:
     """(tokens, `(T, T)` weights of `head` in `layer`) for `text`; row i is query token i."""
@@ -44,10 +46,8 @@ def attention_map(model, tokenizer, text: str, layer: int = 0, head: int = 0) ->
 def plot_attention(model, tokenizer, text: str, layer: int = 0, head: int = 0, path: str | Path | None = None):
     """A heatmap of `attention_map(...)`: keys along x, queries along y, tokens as tick labels; saved to `path`
     (PNG, or any format matplotlib infers from the suffix) when given. Returns the matplotlib figure."""
-    import matplotlib
-
     if path is not None:
-        matplotlib.use("Agg")  # a file, not a window: works without a display
+        headless_pyplot()  # a file, not a window: works without a display
     from matplotlib import pyplot as plt
 
     tokens, weights = attention_map(model, tokenizer, text, layer, head)
@@ -61,8 +61,8 @@ def plot_attention(model, tokenizer, text: str, layer: int = 0, head: int = 0, p
         xlabel="key (attended to)", ylabel="query", title=f"{model.config.model_type}: layer {layer}, head {head}"
     )
     figure.colorbar(image, ax=axis, fraction=0.046, pad=0.04, label="attention weight")
-    figure.tight_layout()
     if path is not None:
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
+        save_figure(figure, path, dpi=120)
+    else:
+        figure.tight_layout()
     return figure

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..models import VARIANTS, get_variant
+from .plotting import headless_pyplot, save_figure
 
 # Per-variant settings of the benchmark model (beyond the shared size): head counts and each variant's own knobs.
 VARIANT_SETTINGS = {
@@ -216,12 +217,8 @@ def table(results: dict, setup: ScalingSetup) -> str:
 
 
 def plot(results: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-    except ImportError:
+    plt = headless_pyplot()
+    if plt is None:
         return False
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
     colours = plt.get_cmap("tab20").colors
@@ -237,9 +234,7 @@ def plot(results: dict, path: Path) -> bool:
     for axis in (time_axis, memory_axis):
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
     return True
 
 

@@ -19,6 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..convert.llama import MHA_FAMILY, from_llama
+from .plotting import headless_pyplot, save_figure
 
 
 @dataclass
@@ -351,12 +352,8 @@ def decode_table(rows: list[dict], setup: DecodeSetup) -> str:
 
 
 def decode_plot(rows: list[dict], path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-    except ImportError:
+    plt = headless_pyplot()
+    if plt is None:
         return False
     batch_sizes = sorted({row["batch_size"] for row in rows})
     variants = list(dict.fromkeys(row["variant"] for row in rows))
@@ -379,9 +376,7 @@ def decode_plot(rows: list[dict], path) -> bool:
         axis.set(ylabel="decode tokens/s", title=f"generate() decode speed, batch {batch_size}")
         axis.grid(True, axis="y", alpha=0.3)
         axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
     return True
 
 

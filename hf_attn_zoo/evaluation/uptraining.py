@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ..checkpoints import write_atomically
 from ..training import complete_checkpoints, load_recipe, run_training
 from .perplexity import score_texts
+from .plotting import headless_pyplot, save_figure
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -150,12 +151,8 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-    except ImportError:
+    plt = headless_pyplot()
+    if plt is None:
         return False
     parent = next(r for r in results if r["name"] == "parent-mha")
     figure, axis = plt.subplots(figsize=(7, 5))
@@ -174,9 +171,7 @@ def plot(results: list[dict], path: Path) -> bool:
     )
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
     return True
 
 
@@ -280,12 +275,8 @@ def held_out_perplexities(models: dict, tokenizer, held_out: Path, data_args) ->
 
 def plot_recovery(recovery: list[dict], path: Path, reference: float | None = None) -> bool:
     """Held-out perplexity against uptraining tokens; `reference`: the model before pooling, as a dashed line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-    except ImportError:
+    plt = headless_pyplot()
+    if plt is None:
         return False
     figure, axis = plt.subplots(figsize=(7, 5))
     axis.plot(
@@ -304,7 +295,5 @@ def plot_recovery(recovery: list[dict], path: Path, reference: float | None = No
         title="SmolLM2-135M: GQA-3 -> MQA (mean-pooled), uptrained",
     )
     axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path)
     return True
