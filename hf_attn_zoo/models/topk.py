@@ -44,9 +44,8 @@ class ZooTopKAttention(ZooMultiHeadAttention):
         # (B, G, S, d) -> (B, H, S, d): each query head reads its group's key/value head
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         keep, chunk = self.config.topk, self.config.query_chunk_size
-        if (
-            keep >= attention_mask.past_length + query.shape[2]
-        ):  # every visible key is kept: plain softmax attention, in eager's order of operations
+        seen_by_last = attention_mask.past_length + query.shape[2]  # a static cache holds empty slots past that
+        if keep >= seen_by_last:  # every visible key is kept: plain softmax attention, in eager's order of operations
             return self._dense(query, key, value, attention_mask, kwargs.get("output_attentions"))
         batch, heads, key_length, head_dim = value.shape
         outputs, weights = [], []
