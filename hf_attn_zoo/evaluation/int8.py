@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..quantization import int8_config, quantized_cache_kwargs
 from .perplexity import score_texts
-from .speed import _fastest
+from .speed import _fastest, alternating, paired_ratio
 
 
 @dataclass
@@ -87,20 +87,16 @@ def run_int8(setup: Int8Setup, log: Callable[[str], None] = print) -> list[dict]
             model.save_pretrained(folder)
             size = weight_bytes(folder)
             perplexity = score_texts(model, tokenizer, [scored], max_length=setup.max_tokens).perplexity
-        rates, ratios = [], []
+        rates = {"setting": [], "float32": []}
         for repeat in range(setup.repeats):
-            if repeat % 2 == 0:  # alternate which runs first, so drift of the machine falls on both
-                rate, fp32_rate = decode_rate(model, cache_kwargs), decode_rate(fp32, {})
-            else:
-                fp32_rate, rate = decode_rate(fp32, {}), decode_rate(model, cache_kwargs)
-            rates.append(rate)
-            ratios.append(rate / fp32_rate)
+            for label, args in alternating([("setting", (model, cache_kwargs)), ("float32", (fp32, {}))], repeat):
+                rates[label].append(decode_rate(*args))
         row = {
             "setting": name,
             "perplexity": perplexity,
             "weight_bytes": size,
-            "decode_tokens_per_second": statistics.median(rates),
-            "decode_vs_float32": statistics.median(ratios),
+            "decode_tokens_per_second": statistics.median(rates["setting"]),
+            "decode_vs_float32": paired_ratio(rates["setting"], rates["float32"]),
             "greedy_tokens_equal_to_float32": float((tokens == reference)[:, prompt.shape[1] :].float().mean()),
         }
         rows.append(row)

@@ -22,6 +22,16 @@ from ..convert.llama import MHA_FAMILY, from_llama
 from .plotting import headless_pyplot, save_figure
 
 
+def alternating(order: list, repeat: int) -> list:
+    """`order` on even repeats and reversed on odd ones, so that drift of the machine falls on every model alike."""
+    return order if repeat % 2 == 0 else order[::-1]
+
+
+def paired_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median of the ratios of samples taken back to back: slow drift of the machine cancels within each pair."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
 @dataclass
 class SpeedSetup:
     """What is measured. The defaults: an 8.4M-parameter model (6 layers x 256) trained at batch 8 x 256 tokens."""
@@ -58,8 +68,7 @@ class SpeedReport:
 
     def ratio(self, metric: str) -> float:
         """Median of the per-repeat ratios: each pair ran back to back, so slow drift of the machine cancels."""
-        pairs = zip(self.samples[metric]["zoo"], self.samples[metric]["llama"])
-        return statistics.median(zoo / llama for zoo, llama in pairs)
+        return paired_ratio(self.samples[metric]["zoo"], self.samples[metric]["llama"])
 
     def table(self) -> str:
         s = self.setup
@@ -163,11 +172,8 @@ def compare_with_llama(setup: SpeedSetup, log: Callable[[str], None] = print) ->
     for measure in metrics.values():  # warm-up: first calls pay for allocations and lazy initialisation
         measure(llama), measure(zoo)
     for repeat in range(setup.repeats):
-        order = [("llama", llama), ("zoo", zoo)]
-        if repeat % 2:
-            order.reverse()
         for metric, measure in metrics.items():
-            for name, model in order:
+            for name, model in alternating([("llama", llama), ("zoo", zoo)], repeat):
                 report.samples[metric][name].append(measure(model))
         ratios = (report.samples[m]["zoo"][-1] / report.samples[m]["llama"][-1] for m in metrics)
         log(f"repeat {repeat + 1}/{setup.repeats}: zoo / Llama " + ", ".join(f"{r:.3f}" for r in ratios))
@@ -222,15 +228,14 @@ def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], Non
         measure(zoo), measure(llama)  # warm-up
         samples = {"zoo": [], "llama": []}
         for repeat in range(setup.repeats):
-            order = [("zoo", zoo), ("llama", llama)]
-            for label, model in order if repeat % 2 == 0 else reversed(order):
+            for label, model in alternating([("zoo", zoo), ("llama", llama)], repeat):
                 samples[label].append(measure(model))
         row = {
             "variant": name,
             "parameters": sum(p.numel() for p in zoo.parameters()),
             "zoo_tokens_per_second": statistics.median(samples["zoo"]),
             "llama_tokens_per_second": statistics.median(samples["llama"]),
-            "ratio": statistics.median(z / ll for z, ll in zip(samples["zoo"], samples["llama"])),
+            "ratio": paired_ratio(samples["zoo"], samples["llama"]),
         }
         rows.append(row)
         log(
@@ -308,8 +313,7 @@ def decode_benchmark(setup: DecodeSetup, log: Callable[[str], None] = print) -> 
 
             measure(zoo), measure(llama)  # warm-up
             for repeat in range(setup.repeats):
-                order = [("zoo", zoo), ("llama", llama)]
-                for label, model in order if repeat % 2 == 0 else reversed(order):
+                for label, model in alternating([("zoo", zoo), ("llama", llama)], repeat):
                     prefill, decode, output = measure(model)
                     samples[label].append((prefill, decode))
                     cache[label] = cache_nbytes(output.past_key_values)
@@ -320,7 +324,7 @@ def decode_benchmark(setup: DecodeSetup, log: Callable[[str], None] = print) -> 
                 llama_values = [sample[index] for sample in samples["llama"]]
                 row[f"{kind}_zoo"] = statistics.median(zoo_values)
                 row[f"{kind}_llama"] = statistics.median(llama_values)
-                row[f"{kind}_ratio"] = statistics.median(z / ll for z, ll in zip(zoo_values, llama_values))
+                row[f"{kind}_ratio"] = paired_ratio(zoo_values, llama_values)
             row["cache_bytes_per_token_zoo"] = cache["zoo"] / tokens
             row["cache_bytes_per_token_llama"] = cache["llama"] / tokens
             rows.append(row)
@@ -436,8 +440,7 @@ def fast_decode_benchmark(setup: FastDecodeSetup, log: Callable[[str], None] = p
         samples = {(mode, label): [] for mode in FAST_DECODE_MODES for label in ("zoo", "llama")}
         for repeat in range(setup.repeats):
             for mode in FAST_DECODE_MODES:
-                order = [("zoo", zoo), ("llama", llama)]
-                for label, model in order if repeat % 2 == 0 else reversed(order):
+                for label, model in alternating([("zoo", zoo), ("llama", llama)], repeat):
                     rate, tokens = decode_rate(model, mode, prompt, setup.new_tokens, setup.runs)
                     samples[mode, label].append(rate)
                     if label == "zoo":  # every mode must produce the dynamic cache's tokens
@@ -449,10 +452,9 @@ def fast_decode_benchmark(setup: FastDecodeSetup, log: Callable[[str], None] = p
             zoo_rates, llama_rates = samples[mode, "zoo"], samples[mode, "llama"]
             row[f"{mode}_zoo"] = statistics.median(zoo_rates)
             row[f"{mode}_llama"] = statistics.median(llama_rates)
-            row[f"{mode}_ratio"] = statistics.median(z / ll for z, ll in zip(zoo_rates, llama_rates))
+            row[f"{mode}_ratio"] = paired_ratio(zoo_rates, llama_rates)
         for label in ("zoo", "llama"):
-            pairs = zip(samples["compiled", label], samples["dynamic", label])
-            row[f"compiled_over_dynamic_{label}"] = statistics.median(c / d for c, d in pairs)
+            row[f"compiled_over_dynamic_{label}"] = paired_ratio(samples["compiled", label], samples["dynamic", label])
         torch._dynamo.reset()  # the next variant compiles its own graphs
         rows.append(row)
         log(
