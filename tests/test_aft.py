@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import left_padded_batch, tiny_model
+from conftest import ATOL, left_padded_batch, tiny_model
 
 
 @pytest.mark.parametrize("name", ["aft_full", "aft_local", "aft_simple"])
@@ -44,7 +44,7 @@ def test_local_window_covering_everything_is_aft_full():
     local.load_state_dict(full.state_dict())
     input_ids = torch.randint(3, 90, (2, 20))
     with torch.no_grad():
-        torch.testing.assert_close(local(input_ids).logits, full(input_ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(local(input_ids).logits, full(input_ids).logits, atol=ATOL, rtol=0)
     narrow = tiny_model("aft_local", aft_window=2)
     narrow.load_state_dict(full.state_dict())
     with torch.no_grad():

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import references
-from conftest import left_padded_batch, tiny_model
+from conftest import ATOL, left_padded_batch, tiny_model
 
 
 def reference_check(model, lengths=(11, 7, 4)):
@@ -14,7 +14,7 @@ def reference_check(model, lengths=(11, 7, 4)):
         expected = references.causal_lm_logits(model, input_ids, attention_mask, references.linformer_attention)
         actual = model(input_ids, attention_mask=attention_mask).logits
     for i, row in enumerate(rows):
-        torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=1e-5, rtol=0)
+        torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("sharing", ["none", "headwise", "key_value", "layerwise"])

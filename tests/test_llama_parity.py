@@ -7,9 +7,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from hf_attn_zoo.convert import from_llama, to_llama, zoo_config_from_llama
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import left_padded_batch, positions_from_mask, tiny_model
-
-ATOL = 1e-5
+from conftest import ATOL, left_padded_batch, positions_from_mask, tiny_model
 
 
 def tiny_llama(num_key_value_heads=2, tie_word_embeddings=False, attn_implementation="sdpa", **overrides):

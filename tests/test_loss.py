@@ -7,7 +7,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hf_attn_zoo.models.modeling_zoo import causal_lm_loss_fused
 
-from conftest import left_padded_batch, tiny_model
+from conftest import ATOL, left_padded_batch, tiny_model
 
 
 @pytest.mark.parametrize("chunk_size", [None, 5, 64])
@@ -62,10 +62,10 @@ def test_training_forward_uses_the_fused_path_with_the_same_loss(tie):
     out_fused = fused(input_ids, attention_mask=attention_mask, labels=labels)
     out_plain = plain(input_ids, attention_mask=attention_mask, labels=labels)
     assert out_fused.logits is None and out_plain.logits is not None
-    torch.testing.assert_close(out_fused.loss, out_plain.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out_fused.loss, out_plain.loss, rtol=0, atol=ATOL)
     out_fused.loss.backward(), out_plain.loss.backward()
     for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=ATOL, msg=name)
     with torch.no_grad():  # evaluation keeps the logits
         assert fused(input_ids, labels=labels).logits is not None
     fused.eval()

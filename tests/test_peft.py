@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from hf_attn_zoo.lora import LORA_TARGET_MODULES, lora_table, lora_target_modules
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import tiny_model
+from conftest import ATOL, tiny_model
 from test_integrations import byte_model
 
 # peft 0.21 reads `model.is_gradient_checkpointing`, which transformers 5.x deprecates: peft's to fix, not ours
@@ -138,7 +138,7 @@ def test_merge_and_unload_equals_the_adapted_model(adapted):
     assert not any("lora_" in name or "base_layer" in name for name, _ in merged.named_parameters())
     with torch.no_grad():
         logits = merged.eval()(adapted["probe"]).logits
-    torch.testing.assert_close(logits, adapted["logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits, adapted["logits"], rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -165,7 +165,7 @@ def test_all_linear_wraps_the_documented_modules_and_merges(name):
         assert not torch.allclose(adapted_logits, base_logits)
         merged = peft_model.merge_and_unload()
         assert type(merged) is VARIANTS[name].causal_lm_class
-        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=ATOL)
 
 
 def test_lora_target_modules_cover_every_variant():

@@ -66,7 +66,7 @@ def test_single_window_equals_the_models_own_loss():
     with torch.no_grad():
         loss = model(ids, labels=ids).loss
     result = score_texts(model, tokenizer, [text], max_length=256)
-    assert result.perplexity == pytest.approx(math.exp(loss.item()), rel=1e-6)
+    assert result.perplexity == pytest.approx(math.exp(loss.item()), rel=1e-5)
 
 
 def test_windows_count_every_token_exactly_once():

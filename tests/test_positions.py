@@ -6,7 +6,7 @@ import torch
 from hf_attn_zoo.models.modeling_zoo import alibi_slopes, sinusoidal_embedding
 
 import references
-from conftest import left_padded_batch, tiny_model
+from conftest import ATOL, left_padded_batch, tiny_model
 
 
 def test_alibi_slopes_are_the_papers():
@@ -31,7 +31,7 @@ def test_alibi_with_non_power_of_two_heads_matches_reference(heads):
         expected = references.causal_lm_logits(model, input_ids, attention_mask)
         actual = model(input_ids, attention_mask=attention_mask).logits
     for i, row in enumerate(rows):
-        torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=1e-5, rtol=0)
+        torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("position", ["learned", "sinusoidal", "alibi"])
@@ -43,7 +43,7 @@ def test_absolute_positions_follow_position_ids(position):
         base = model(input_ids, position_ids=torch.arange(8)[None]).logits
         shifted = model(input_ids, position_ids=torch.arange(8)[None] + 5).logits
     if position == "alibi":  # relative: a constant shift changes nothing
-        torch.testing.assert_close(base, shifted, atol=1e-5, rtol=0)
+        torch.testing.assert_close(base, shifted, atol=ATOL, rtol=0)
     else:
         assert not torch.allclose(base, shifted, atol=1e-3)
 

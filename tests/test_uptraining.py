@@ -21,7 +21,7 @@ from hf_attn_zoo.convert import from_llama, mha_to_gqa
 from hf_attn_zoo.data import byte_level_tokenizer
 from hf_attn_zoo.training import load_recipe, run_training
 
-from conftest import left_padded_batch, tiny_model
+from conftest import ATOL, left_padded_batch, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_identical_heads_in_a_group_convert_exactly(method, groups, model_type):
     assert converted.config.model_type == model_type and converted.config.num_key_value_heads == groups
     input_ids, attention_mask, _ = left_padded_batch()
     torch.testing.assert_close(
-        logits(converted, input_ids, attention_mask), logits(model, input_ids, attention_mask), atol=1e-6, rtol=0
+        logits(converted, input_ids, attention_mask), logits(model, input_ids, attention_mask), atol=ATOL, rtol=0
     )
 
 
@@ -119,7 +119,7 @@ def test_mistral_and_qwen2_load_with_their_logits(family):
         source = Qwen2ForCausalLM(Qwen2Config(**common))
     zoo = from_llama(source.eval())
     input_ids, _, _ = left_padded_batch()
-    torch.testing.assert_close(logits(zoo, input_ids), logits(source, input_ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits(zoo, input_ids), logits(source, input_ids), atol=ATOL, rtol=0)
     windowed = MistralForCausalLM(MistralConfig(**common, sliding_window=16))
     with pytest.raises(ValueError, match="sliding_window"):
         from_llama(windowed)
