@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -113,31 +114,38 @@ def convert_command(args: argparse.Namespace) -> Path:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from .demo import DemoOptions, run_demo
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command and subcommand (each answers `--help`)."""
+    from .demo import DemoOptions
     from .evaluation.int8 import Int8Setup
-    from .evaluation.scaling import ScalingSetup, run_scaling
-    from .evaluation.speed import (
-        DecodeSetup,
-        FastDecodeSetup,
-        SpeedSetup,
-        TrainingThroughputSetup,
-        compare_with_llama,
-        decode_benchmark,
-        decode_plot,
-        decode_table,
-        fast_decode_benchmark,
-        fast_decode_table,
-        training_throughput,
-        training_throughput_table,
-    )
+    from .evaluation.scaling import ScalingSetup
+    from .evaluation.speed import DecodeSetup, FastDecodeSetup, SpeedSetup, TrainingThroughputSetup
     from .evaluation.uptraining import SmolLM2Setup, UptrainingSetup
+    from .training import SECTIONS
 
     parser = argparse.ArgumentParser(prog="hf-attn-zoo", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=HfArgumentParser)
     commands.add_parser("list", help="print the registered variants", dataclass_types=[])
-    train = commands.add_parser("train", help="train from a YAML recipe", dataclass_types=[], add_help=False)
-    train.add_argument("arguments", nargs=argparse.REMAINDER, help="CONFIG [--section.field value ...]")
+    about = "train from a YAML recipe, with --section.field value overrides"
+    fields_ = "\n".join(
+        textwrap.fill(
+            ", ".join(f.name for f in dataclasses.fields(cls) if f.init),
+            width=100,
+            initial_indent=f"  {section}: ",
+            subsequent_indent="    ",
+        )
+        for section, cls in SECTIONS.items()
+    )
+    train = commands.add_parser(
+        "train",
+        help=about,
+        description=f"{about} (`training.*` are transformers' TrainingArguments).",
+        epilog=f"fields of each recipe section:\n{fields_}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="hf-attn-zoo train [CONFIG] [--section.field value ...]",
+        dataclass_types=[],
+    )
+    train.add_argument("config", nargs="?", help="YAML recipe (configs/train/*.yaml); fields given as overrides only")
     bench = commands.add_parser("bench", help="benchmarks", dataclass_types=[])
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, parser_class=HfArgumentParser)
     about = "training and generate() tokens/s of a variant against LlamaForCausalLM at the same size"
@@ -205,7 +213,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     push.add_argument("--private", action="store_true", help="create the repo private (an existing one is kept as is)")
     about = "train a small model on Python's standard library, score it, generate, save and reload it"
     commands.add_parser("demo", help=about, description=about, dataclass_types=[DemoOptions])
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .demo import DemoOptions, run_demo
+    from .evaluation.int8 import Int8Setup
+    from .evaluation.scaling import ScalingSetup, run_scaling
+    from .evaluation.speed import (
+        DecodeSetup,
+        FastDecodeSetup,
+        SpeedSetup,
+        TrainingThroughputSetup,
+        compare_with_llama,
+        decode_benchmark,
+        decode_plot,
+        decode_table,
+        fast_decode_benchmark,
+        fast_decode_table,
+        training_throughput,
+        training_throughput_table,
+    )
+    from .evaluation.uptraining import SmolLM2Setup, UptrainingSetup
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # `train` takes `--section.field value` overrides that only the recipe loader knows; argparse sees its own
+    # options (`--help`) and the recipe, and passes the rest through
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "train":
+        parser.parse_args(argv)  # the usual error naming the unknown arguments
 
     if args.command == "list":
         print(variant_table())
@@ -235,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "train":
         from .training import main as train_main
 
-        train_main(args.arguments)
+        train_main(argv[1:])  # the recipe loader parses the overrides; argparse would misread `--key 3`
     elif args.command == "bench" and args.benchmark == "scaling":
         run_scaling(_options(args, ScalingSetup), args.output_dir)
     elif args.command == "bench" and args.benchmark == "uptrain-smollm2":

@@ -1,12 +1,13 @@
 """The command line: `list`, `bench llama` and the main job `demo`."""
 
+import argparse
 import json
 import math
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_attn_zoo.cli import main
+from hf_attn_zoo.cli import build_parser, main
 from hf_attn_zoo.models import VARIANTS
 
 
@@ -17,6 +18,39 @@ def test_list_prints_every_variant(capsys):
         row = next(line for line in table.splitlines() if line.startswith(f"| `{name}` "))
         assert variant.model_type in row and variant.cache_per_token in row
         assert f"| {', '.join(variant.backends)} |" in row and "eager" in variant.backends
+
+
+def command_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command and subcommand of the CLI, e.g. ("bench", "decode")."""
+    paths = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                paths += command_paths(subparser, (*prefix, name))
+    return paths
+
+
+COMMANDS = command_paths(build_parser())
+
+
+def test_every_command_is_walked():
+    assert {("train",), ("bench", "decode"), ("eval",), ("demo",)} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda path: " ".join(path) or "hf-attn-zoo")
+def test_help_prints_usage(path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*path, "--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("usage: hf-attn-zoo" + "".join(f" {p}" for p in path))
+
+
+def test_train_help_lists_the_recipe_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    printed = capsys.readouterr().out
+    assert "model: variant, size" in printed and "learning_rate" in printed
 
 
 def test_bench_llama_writes_ratios(tmp_path, capsys):
