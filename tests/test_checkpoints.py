@@ -7,7 +7,8 @@ import sys
 import textwrap
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.dynamic_module_utils import get_imports
 
 from hf_attn_zoo.models import VARIANTS
@@ -23,6 +24,9 @@ def test_auto_map_and_files(tmp_path):
         "AutoConfig": "mha.ZooGQAConfig",
         "AutoModel": "mha.ZooGQAModel",
         "AutoModelForCausalLM": "mha.ZooGQAForCausalLM",
+        "AutoModelForSequenceClassification": "mha.ZooGQAForSequenceClassification",
+        "AutoModelForTokenClassification": "mha.ZooGQAForTokenClassification",
+        "AutoModelForQuestionAnswering": "mha.ZooGQAForQuestionAnswering",
     }
     assert config["model_type"] == "zoo_gqa"
     code = sorted(path.name for path in tmp_path.glob("*.py"))
@@ -45,6 +49,17 @@ def test_auto_classes_for_every_variant():
         assert type(config) is variant.config_class
         assert type(AutoModel.from_config(config)) is variant.model_class
         assert type(AutoModelForCausalLM.from_config(config)) is variant.causal_lm_class
+        assert set(variant.heads) == {
+            "AutoModelForCausalLM",
+            "AutoModelForSequenceClassification",
+            "AutoModelForTokenClassification",
+            "AutoModelForQuestionAnswering",
+        }
+        for auto_class, head in variant.heads.items():
+            model = getattr(transformers, auto_class).from_config(config)
+            assert type(model) is head and type(model.model) is variant.model_class
+            # transformers picks the backend from the top-level class: a head supports what its base model does
+            assert head._supports_sdpa == variant.model_class._supports_sdpa
 
 
 REMOTE_LOADER = textwrap.dedent(
@@ -52,8 +67,10 @@ REMOTE_LOADER = textwrap.dedent(
     import sys
     sys.modules["hf_attn_zoo"] = None  # any attempt to import the package now fails
     import torch
+    import transformers
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    HEADS = ("SequenceClassification", "TokenClassification", "QuestionAnswering")
     for folder in sys.argv[1:]:
         expected = torch.load(f"{folder}/expected.pt")
         config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
@@ -64,6 +81,16 @@ REMOTE_LOADER = textwrap.dedent(
         with torch.no_grad():
             logits = model(expected["input_ids"], attention_mask=expected["attention_mask"]).logits
         assert torch.equal(logits, expected["logits"]), folder
+        for head in HEADS:  # every task head loads from the causal LM's checkpoint too
+            auto_class = getattr(transformers, f"AutoModelFor{head}")
+            model = auto_class.from_pretrained(folder, trust_remote_code=True, num_labels=2)
+            assert type(model).__name__ == expected["base_class"].replace("Model", f"For{head}")
+        classifier = transformers.AutoModelForSequenceClassification.from_pretrained(
+            f"{folder}/classifier", trust_remote_code=True
+        ).eval()
+        with torch.no_grad():
+            logits = classifier(expected["input_ids"], attention_mask=expected["attention_mask"]).logits
+        assert torch.equal(logits, expected["classifier_logits"]), folder
         print("ok", folder)
     """
 )
@@ -77,13 +104,17 @@ def test_trust_remote_code_in_a_process_without_the_package(tmp_path):
         model = tiny_model(name, position)
         folder = tmp_path / f"{name}-{position}"
         model.save_pretrained(folder)
+        classifier = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2).eval()
+        classifier.save_pretrained(folder / "classifier")
         with torch.no_grad():
             logits = model(input_ids, attention_mask=attention_mask).logits
+            classifier_logits = classifier(input_ids, attention_mask=attention_mask).logits
         torch.save(
             {
                 "input_ids": input_ids,
                 "attention_mask": attention_mask,
                 "logits": logits,
+                "classifier_logits": classifier_logits,
                 "config_class": type(model.config).__name__,
                 "base_class": type(model.model).__name__,
             },

@@ -1,8 +1,9 @@
 """The registry of zoo variants.
 
-Importing this package registers every variant with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`. A variant
-joins with one `register_variant(name, ForCausalLMClass)` line below; its config class, base model class, backends,
-position types and cache formula are read off the classes.
+Importing this package registers every variant with `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` and the task
+heads (`AutoModelForSequenceClassification`, `AutoModelForTokenClassification`, `AutoModelForQuestionAnswering`). A
+variant joins with one `register_variant(name, ForCausalLMClass)` line below; its config class, base model class,
+heads, backends, position types and cache formula are read off the classes.
 
 The modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
 else from the package; this file is the only one that is not copied.
@@ -10,7 +11,8 @@ else from the package; this file is the only one that is not copied.
 
 from dataclasses import dataclass
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModel
 
 from . import additive, aft, linformer, mha, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
@@ -31,6 +33,11 @@ class ZooVariant:
     @property
     def model_class(self) -> type[ZooModel]:
         return self.causal_lm_class.base_model_class
+
+    @property
+    def heads(self) -> dict[str, type[ZooPreTrainedModel]]:
+        """Auto class name -> the variant's class for it: the causal LM and the task heads."""
+        return dict(self.model_class.heads)
 
     @property
     def model_type(self) -> str:
@@ -76,7 +83,8 @@ def register_variant(name: str, causal_lm_class: type[ZooForCausalLM]) -> ZooVar
     variant = ZooVariant(name, causal_lm_class)
     AutoConfig.register(variant.model_type, variant.config_class, exist_ok=True)
     AutoModel.register(variant.config_class, variant.model_class, exist_ok=True)
-    AutoModelForCausalLM.register(variant.config_class, causal_lm_class, exist_ok=True)
+    for auto_class, head in variant.heads.items():
+        getattr(transformers, auto_class).register(variant.config_class, head, exist_ok=True)
     VARIANTS[name] = variant
     return variant
 

@@ -12,6 +12,8 @@ the paper: there a decoder state attends to the states of a recurrent encoder; h
 multi-head self-attention in a transformer block.
 """
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -20,7 +22,14 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import ZooChunkedConfig, check_positive_int
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import BlockwiseCausalMask, ZooForCausalLM, ZooModel
+from .modeling_zoo import (
+    BlockwiseCausalMask,
+    ZooForCausalLM,
+    ZooForQuestionAnswering,
+    ZooForSequenceClassification,
+    ZooForTokenClassification,
+    ZooModel,
+)
 
 
 class ZooAdditiveConfig(ZooChunkedConfig):
@@ -45,6 +54,12 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
     """Queries and keys projected to `additive_dim` per head; `score_vector` (H, additive_dim) reads the tanh out."""
 
     mask_type = "blockwise"
+    sized_by: ClassVar[dict[str, str]] = {
+        **ZooMultiHeadAttention.sized_by,
+        "q_proj": "num_attention_heads, additive_dim, hidden_size",
+        "k_proj": "num_key_value_heads, additive_dim, hidden_size",
+        "score_vector": "num_attention_heads, additive_dim",
+    }
 
     def __init__(self, config: ZooAdditiveConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx, query_key_dim=config.additive_dim)
@@ -84,6 +99,17 @@ class ZooAdditiveForCausalLM(ZooForCausalLM):
     base_model_class = ZooAdditiveModel
 
 
+class ZooAdditiveForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooAdditiveModel
+
+
+class ZooAdditiveForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooAdditiveModel
+
+
+class ZooAdditiveForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooAdditiveModel
+
+
 ZooAdditiveConfig.register_for_auto_class()
 ZooAdditiveModel.register_for_auto_class("AutoModel")
-ZooAdditiveForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -23,6 +23,10 @@ Cache per token: AFT-full 2·L·d; AFT-local flat after s tokens (2·L·d·(s - 
 embeddings (sinusoidal, learned) may be added; RoPE and ALiBi act on dot-product scores and are refused.
 `output_attentions` gives None: there are no attention weights. Deviations from the paper: causal only (the paper
 also has the bidirectional form); AFT-local uses the same factorised w as AFT-full; `attention_dropout` is unused.
+
+Packed rows (several documents in one row, `position_ids` restarting at 0, as in padding-free training): a token
+weighs the keys of its own document only; the running sums restart at each document, and every max used for
+shifting is taken over keys of the query's document, so no document changes another's rounding.
 """
 
 from collections.abc import Callable
@@ -33,7 +37,15 @@ from torch import nn
 
 from .cache_zoo import ZooStateCache, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_positive_int
-from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel
+from .modeling_zoo import (
+    TokenMask,
+    ZooAttention,
+    ZooForCausalLM,
+    ZooForQuestionAnswering,
+    ZooForSequenceClassification,
+    ZooForTokenClassification,
+    ZooModel,
+)
 
 NO_KEY_YET = -1e30  # running max before any key: exp(NO_KEY_YET - m) is 0 for any real m, and 1 against itself
 
@@ -119,6 +131,7 @@ def aft_attend(
     window: int | None,
     bias: Bias | None,
     chunk: int,
+    documents: torch.LongTensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Causal AFT over T new tokens, a chunk of queries at a time. keys, values `(B, T, d)` in float32.
 
@@ -131,10 +144,17 @@ def aft_attend(
     The parts meet at a common max per (row, channel). Nothing depends on a later token, so earlier outputs are
     bit-identical when later tokens change. The state carries the running sums and the unfolded keys (for AFT-full,
     all of them: its key/value cache). Returns the weighted averages `(B, T, d)` and the new state.
+
+    `documents` `(B, T)` marks the documents of a packed row (no state then). Documents are contiguous, so the only
+    earlier keys a chunk's queries may reach are those of the document of its first query: history keys of other
+    documents are dropped before their max is taken, the folded sums are read only by queries of their own document
+    and restart when a later document is folded.
     """
     batch, length, width = keys.shape
     if valid is None:
         valid = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
+    if documents is not None and state is not None:
+        raise ValueError("packed documents are read without a cache: pass past_key_values=None, use_cache=False")
     if state is None:
         empty = keys.new_zeros(batch, 0, width)
         state = {
@@ -156,6 +176,7 @@ def aft_attend(
     all_valid = torch.cat((state["valid"], valid), dim=1)
     carried = state["keys"].shape[1]
     folded = 0  # entries before this one are in (running_max, numerator, denominator)
+    folded_document = None if documents is None else documents[:, 0]  # (B,): the document the folded sums hold
 
     def in_reach(queries: slice, keys_: slice) -> torch.Tensor:
         """The bias of these queries for these keys: w where the window reaches, 0 elsewhere. `(B, C, K)`."""
@@ -171,22 +192,36 @@ def aft_attend(
     for start in range(0, length, chunk):
         first, last = carried + start, carried + min(length, start + chunk)  # the chunk's queries: [first, last)
         queries = slice(first, last)
-        parts = [(numerator[:, None], denominator[:, None], running_max[:, None])]  # folded keys, (B, 1, d)
+        folded_scale = running_max[:, None]  # (B, 1, d)
+        if documents is not None:
+            query_documents = documents[:, queries]  # (B, C)
+            reads_folded = query_documents == folded_document[:, None]  # (B, C)
+            folded_scale = torch.where(reads_folded[..., None], folded_scale, NO_KEY_YET)  # (B, C, d)
+        parts = [(numerator[:, None], denominator[:, None], folded_scale)]  # folded keys
         if first > folded:  # history: [folded, first), all before every query of the chunk
             history = slice(folded, first)
-            w = in_reach(queries, history).masked_fill(~all_valid[:, None, history], float("-inf"))  # (B, C, H)
-            channel_max = all_keys[:, history].amax(dim=1, keepdim=True).detach()  # (B, 1, d)
+            history_keys, reachable = all_keys[:, history], all_valid[:, history]  # (B, H, d), (B, H)
+            w = in_reach(queries, history)  # (B, C, H)
+            if documents is not None:  # only the first query's document reaches back past the chunk
+                first_document = query_documents[:, :1]  # (B, 1)
+                reachable = reachable & (documents[:, history] == first_document)
+                history_keys = history_keys.masked_fill(~reachable[..., None], float("-inf"))
+                w = w.masked_fill((query_documents != first_document)[..., None], float("-inf"))
+            w = w.masked_fill(~reachable[:, None, :], float("-inf"))
+            channel_max = history_keys.amax(dim=1, keepdim=True).detach()  # (B, 1, d)
             channel_max = torch.where(torch.isfinite(channel_max), channel_max, 0.0)
             row_max = w.amax(dim=-1, keepdim=True).detach()  # (B, C, 1)
             row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
             weights = torch.exp(w - row_max)  # (B, C, H), <= 1
-            exps = torch.exp(all_keys[:, history] - channel_max)  # (B, H, d), <= 1
+            exps = torch.exp(history_keys - channel_max)  # (B, H, d), <= 1
             history_numerator, history_denominator = weights @ (exps * all_values[:, history]), weights @ exps
             scale = (row_max + channel_max).masked_fill(history_denominator == 0, float("-inf"))
             parts.append((history_numerator, history_denominator, scale))
-        causal = torch.ones(last - first, last - first, dtype=torch.bool, device=keys.device).tril()
+        causal = torch.ones(last - first, last - first, dtype=torch.bool, device=keys.device).tril()[None]  # (1, C, C)
+        if documents is not None:
+            causal = causal & (query_documents[:, :, None] == query_documents[:, None, :])  # (B, C, C)
         exponent = in_reach(queries, queries)[..., None] + all_keys[:, None, queries]  # (B, C, C, d)
-        exponent = exponent.masked_fill(~causal[None, :, :, None], float("-inf"))
+        exponent = exponent.masked_fill(~causal[..., None], float("-inf"))
         parts.append(_log_sum(exponent, all_values[:, None, queries], dim=2))
         # every part at the largest scale of its (row, channel)
         top = torch.stack([torch.broadcast_to(scale, parts[-1][2].shape) for _, _, scale in parts]).amax(0)
@@ -198,7 +233,17 @@ def aft_attend(
             fold_to = max(folded, last - max(window - 1, 0))
             if fold_to > folded:
                 leaving = slice(folded, fold_to)
-                part = _log_sum(all_keys[:, leaving], all_values[:, leaving], dim=1)
+                leaving_keys = all_keys[:, leaving]  # (B, F, d)
+                if documents is not None:  # the sums go on with the document of the last key folded
+                    last_document = documents[:, fold_to - 1]  # (B,)
+                    same = folded_document == last_document  # (B,)
+                    numerator = numerator * same[:, None]
+                    denominator = denominator * same[:, None]
+                    running_max = torch.where(same[:, None], running_max, NO_KEY_YET)
+                    outside = documents[:, leaving] != last_document[:, None]  # (B, F)
+                    leaving_keys = leaving_keys.masked_fill(outside[..., None], float("-inf"))
+                    folded_document = last_document
+                part = _log_sum(leaving_keys, all_values[:, leaving], dim=1)
                 new_max = torch.maximum(running_max, part[2]).detach()
                 numerator = numerator * torch.exp(running_max - new_max) + part[0] * torch.exp(part[2] - new_max)
                 denominator = denominator * torch.exp(running_max - new_max) + part[1] * torch.exp(part[2] - new_max)
@@ -218,7 +263,13 @@ def aft_attend(
 class ZooAFTAttention(ZooAttention):
     """Projections q, k, v (d -> d), the AFT weighting of `config.aft_mode`, the gate sigmoid(q), and `o_proj`."""
 
-    mask_type = "padding"
+    sized_by: ClassVar[dict[str, str]] = {
+        **{name: "hidden_size" for name in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        "position_bias_u": "max_position_embeddings, aft_bias_rank",
+        "position_bias_v": "max_position_embeddings, aft_bias_rank",
+    }
+
+    mask_type = "tokens"
     reads_positions = True
 
     def __init__(self, config: ZooAFTConfig, layer_idx: int) -> None:
@@ -239,7 +290,9 @@ class ZooAFTAttention(ZooAttention):
         v = self.position_bias_v(key_positions.clamp(min=0)).float()  # (B, S, r)
         return u @ v.transpose(1, 2)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask: TokenMask, position_embeddings=None, past_key_values=None, **kwargs
+    ):
         batch, length, _ = hidden_states.shape
         gate = torch.sigmoid(self.q_proj(hidden_states))
         # the exponentials run in float32 whatever the model's dtype
@@ -252,12 +305,21 @@ class ZooAFTAttention(ZooAttention):
                     f"{self.config.max_position_embeddings}, the size of AFT's position bias; shorten the input or "
                     f"build the model with a larger max_position_embeddings."
                 )
-        valid = attention_mask[:, -length:].bool() if attention_mask is not None else None  # (B, T)
         layer = state_layer(past_key_values, self.layer_idx, self.config.model_type)
         window = {"full": None, "simple": 0}.get(self.mode, getattr(self.config, "aft_window", None))
         bias = None if self.mode == "simple" else self.pairwise_bias
         chunk = self.config.query_chunk_size
-        averages, state = aft_attend(keys, values, valid, positions, layer and layer.read(), window, bias, chunk)
+        averages, state = aft_attend(
+            keys,
+            values,
+            attention_mask.padding,
+            positions,
+            layer and layer.read(),
+            window,
+            bias,
+            chunk,
+            attention_mask.documents,
+        )
         if layer is not None:
             layer.write(state, length)
         return self.o_proj(gate * averages.to(gate.dtype)), None
@@ -282,18 +344,59 @@ class ZooAFTSimpleModel(ZooAFTModel):
     config_class = ZooAFTSimpleConfig
 
 
-class ZooAFTFullForCausalLM(ZooForCausalLM):
+class ZooAFTForCausalLM(ZooForCausalLM):
+    # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt-lookup decoding
+    _is_stateful = True
+
+
+class ZooAFTFullForCausalLM(ZooAFTForCausalLM):
     config_class = ZooAFTFullConfig
     base_model_class = ZooAFTFullModel
 
 
-class ZooAFTLocalForCausalLM(ZooForCausalLM):
+class ZooAFTLocalForCausalLM(ZooAFTForCausalLM):
     config_class = ZooAFTLocalConfig
     base_model_class = ZooAFTLocalModel
 
 
-class ZooAFTSimpleForCausalLM(ZooForCausalLM):
+class ZooAFTSimpleForCausalLM(ZooAFTForCausalLM):
     config_class = ZooAFTSimpleConfig
+    base_model_class = ZooAFTSimpleModel
+
+
+class ZooAFTFullForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooAFTFullModel
+
+
+class ZooAFTFullForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooAFTFullModel
+
+
+class ZooAFTFullForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooAFTFullModel
+
+
+class ZooAFTLocalForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooAFTLocalModel
+
+
+class ZooAFTLocalForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooAFTLocalModel
+
+
+class ZooAFTLocalForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooAFTLocalModel
+
+
+class ZooAFTSimpleForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooAFTSimpleModel
+
+
+class ZooAFTSimpleForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooAFTSimpleModel
+
+
+class ZooAFTSimpleForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooAFTSimpleModel
 
 
@@ -301,5 +404,3 @@ for _config_class in (ZooAFTFullConfig, ZooAFTLocalConfig, ZooAFTSimpleConfig):
     _config_class.register_for_auto_class()
 for _model_class in (ZooAFTFullModel, ZooAFTLocalModel, ZooAFTSimpleModel):
     _model_class.register_for_auto_class("AutoModel")
-for _model_class in (ZooAFTFullForCausalLM, ZooAFTLocalForCausalLM, ZooAFTSimpleForCausalLM):
-    _model_class.register_for_auto_class("AutoModelForCausalLM")

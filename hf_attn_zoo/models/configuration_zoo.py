@@ -43,7 +43,9 @@ class ZooConfig(PreTrainedConfig):
         max_position_embeddings (`int`): longest sequence the model is built for (size of `learned` positions).
         position_embedding_type (`str`): one of `rope` (rotary, Su et al. 2021), `alibi` (linear biases, Press et al.
             2022), `sinusoidal` (Vaswani et al. 2017), `learned` (GPT-2) or `none` (NoPE: the causal mask alone).
-        rope_parameters (`dict`, *optional*): transformers' RoPE parameters; `rope_theta=` is accepted too.
+        rope_parameters (`dict`, *optional*): transformers' RoPE parameters; `rope_theta=` is accepted too. Only
+            for `position_embedding_type="rope"`: other position types have none (`None`), and RoPE settings given
+            to them are an error rather than silently ignored.
         initializer_range (`float`): standard deviation of the normal initialisation.
         scale_residual_init (`bool`): GPT-2's scaled init, std / sqrt(2L) for the projections that write into the
             residual stream (`o_proj`, `down_proj`).
@@ -151,6 +153,7 @@ class ZooConfig(PreTrainedConfig):
                 f"hidden_act={self.hidden_act!r} is not a known activation; use one of transformers' ACT2FN keys, "
                 f"e.g. 'silu', 'gelu', 'gelu_new', 'relu'."
             )
+        self._check_rope_parameters()
         if self.position_embedding_type == "rope" and self.head_dim % 2 != 0:
             raise ValueError(
                 f"head_dim={self.head_dim} must be even for position_embedding_type='rope' (RoPE rotates pairs of "
@@ -169,6 +172,24 @@ class ZooConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}.")
+
+    def _check_rope_parameters(self) -> None:
+        """RoPE parameters belong to RoPE configurations only. transformers gives every config that declares the
+        field the default `{"rope_type": "default", "rope_theta": ...}`; a non-RoPE configuration drops that default
+        (checkpoints saved before carried it) and refuses anything else, which would do nothing."""
+        default = {"rope_type": "default", "rope_theta": self.default_theta}
+        if self.position_embedding_type == "rope":
+            if self.rope_parameters is None:  # switched to RoPE after construction
+                self.rope_parameters = default
+            return
+        if self.rope_parameters and self.rope_parameters != default:
+            raise ValueError(
+                f"rope_parameters={self.rope_parameters} only apply to position_embedding_type='rope', but this "
+                f"config uses position_embedding_type={self.position_embedding_type!r}, where they would change "
+                f"nothing; remove rope_parameters (and rope_theta / rope_scaling), or use position_embedding_type="
+                f"'rope' where the variant supports it."
+            )
+        self.rope_parameters = None
 
     def _check_variant(self) -> None:
         """Variant-specific checks; subclasses override."""

@@ -16,7 +16,13 @@ E and one F per layer), "key_value" (one E = F per layer), "layerwise" (one E = 
 indexed by true positions (`position_ids`), so left padding changes nothing; an input longer than
 max_position_embeddings is an error. `output_attentions`: None in the causal form (every step has its own compressed
 keys), weights over the k slots `(B, H, T, k)` in the paper's. Deviation from the paper: the causal form above.
+
+Packed rows (several documents in one row, `position_ids` restarting at 0, as in padding-free training): each
+document is compressed on its own; the running (K̄, V̄) restart at each document's first token, and in the paper's
+form every document gets its own K̄ = E·K.
 """
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,7 +32,14 @@ from transformers import initialization as init
 from .cache_zoo import ZooStateCache, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_choice, check_positive_int
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import ZooForCausalLM, ZooModel
+from .modeling_zoo import (
+    TokenMask,
+    ZooForCausalLM,
+    ZooForQuestionAnswering,
+    ZooForSequenceClassification,
+    ZooForTokenClassification,
+    ZooModel,
+)
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
 
@@ -59,6 +72,11 @@ class LinformerProjection(nn.Module):
     """E (`key_projection`) and F (`value_projection`, absent when E = F), each `(P, k, n)`: P key/value heads when
     every head has its own, else 1."""
 
+    sized_by: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("key_projection", "value_projection"),
+        "linformer_k, max_position_embeddings (and num_key_value_heads with linformer_sharing='none')",
+    )
+
     def __init__(self, config: ZooLinformerConfig, per_head: bool, separate_values: bool) -> None:
         super().__init__()
         shape = (config.num_key_value_heads if per_head else 1, config.linformer_k, config.max_position_embeddings)
@@ -86,7 +104,7 @@ class LinformerProjection(nn.Module):
 class ZooLinformerAttention(ZooMultiHeadAttention):
     """GQA projections (and RoPE); keys and values compressed into `linformer_k` slots."""
 
-    mask_type = "padding"
+    mask_type = "tokens"
     reads_positions = True
 
     def __init__(self, config: ZooLinformerConfig, layer_idx: int) -> None:
@@ -103,7 +121,9 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
     def linformer_projection(self) -> LinformerProjection:
         return self.projection if self.projection is not None else self.borrowed_projection[0]
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask: TokenMask, position_embeddings=None, past_key_values=None, **kwargs
+    ):
         batch, length = hidden_states.shape[:2]
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, G, T, d) x 2
         positions = kwargs["position_ids"].expand(batch, -1)  # (B, T) true positions
@@ -113,23 +133,27 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
                 f"{self.config.max_position_embeddings}, the width of Linformer's E and F; shorten the input or "
                 f"build the model with a larger max_position_embeddings."
             )
-        valid = attention_mask[:, -length:].bool() if attention_mask is not None else None  # (B, T)
-        key_columns, value_columns = self.linformer_projection.columns(positions, valid)  # (B, P, k, T) x 2
+        # (B, P, k, T) x 2, zero at padding
+        key_columns, value_columns = self.linformer_projection.columns(positions, attention_mask.padding)
+        documents = attention_mask.documents
         layer = state_layer(past_key_values, self.layer_idx, self.config.model_type)
         weights = None
         if self.config.is_causal:
-            output, state = self._causal(query, key, value, key_columns, value_columns, layer and layer.read())
+            state = layer and layer.read()
+            output, state = self._causal(query, key, value, key_columns, value_columns, state, documents)
         else:
             if layer is not None and layer.get_seq_length() > 0:
                 raise ValueError("linformer with is_causal=False sees the whole input at once: it cannot decode.")
-            output, weights = self._bidirectional(query, key, value, key_columns, value_columns)
+            output, weights = self._bidirectional(query, key, value, key_columns, value_columns, documents)
             state = {}
         if layer is not None:
             layer.write(state, length)
         return self.o_proj(output.reshape(batch, length, -1)), weights
 
-    def _causal(self, query, key, value, key_columns, value_columns, state):
-        """Chunk by chunk: running (K̄, V̄) from earlier chunks plus exact prefix sums inside the chunk."""
+    def _causal(self, query, key, value, key_columns, value_columns, state, documents=None):
+        """Chunk by chunk: running (K̄, V̄) from earlier chunks plus exact prefix sums inside the chunk. With
+        `documents` `(B, T)` (a packed row), a query reads the running sums only when they belong to its document,
+        prefix sums inside a chunk stay within a document, and the sums restart when a document ends."""
         batch, heads, length, head_dim = query.shape
         kv_heads, slots = key.shape[1], key_columns.shape[2]
         groups = heads // kv_heads
@@ -140,11 +164,18 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         value_columns = value_columns.expand(batch, kv_heads, -1, -1)
         chunk = self.config.query_chunk_size
         causal = torch.ones(chunk, chunk, dtype=torch.bool, device=query.device).tril()
+        state_document = None if documents is None else documents[:, 0]  # (B,): the document the sums belong to
         outputs = []
         for start in range(0, length, chunk):
             end = min(length, start + chunk)
             size = end - start
             within = causal[:size, :size]  # key s <= query t inside the chunk
+            reads_state = None
+            if documents is not None:
+                chunk_documents = documents[:, start:end]  # (B, c)
+                same = chunk_documents[:, :, None] == chunk_documents[:, None, :]  # (B, c, c)
+                within = (within & same)[:, None, None]  # (B, 1, 1, c, c)
+                reads_state = (chunk_documents == state_document[:, None])[:, None, None, :, None]  # (B, 1, 1, c, 1)
             # group query heads by their key/value head: (B, H, c, d) -> (B, G, H/G, c, d)
             q = query[:, :, start:end].reshape(batch, kv_heads, groups, size, head_dim)
             e = key_columns[:, :, None, :, start:end]  # (B, G, 1, k, c)
@@ -152,30 +183,63 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
             k, v = key[:, :, None, start:end], value[:, :, None, start:end]  # (B, G, 1, c, d)
             # scores against slot j at step t: q_t·K̄_prev[j] + sum over s <= t in the chunk of E[j, s]·(q_t·k_s)
             scores = q @ compressed_keys[:, :, None].transpose(-1, -2)  # (B, G, H/G, c, k)
+            if reads_state is not None:
+                scores = scores.masked_fill(~reads_state, 0.0)
             scores = scores + (q @ k.transpose(-1, -2)).masked_fill(~within, 0.0) @ e.transpose(-1, -2)
             probabilities = F.softmax(scores * self.scaling, dim=-1, dtype=torch.float32).to(query.dtype)
             probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
             # output: p_t·V̄_prev + sum over s <= t in the chunk of (p_t·F[:, s])·v_s
             out = probabilities @ compressed_values[:, :, None]  # (B, G, H/G, c, d)
+            if reads_state is not None:
+                out = out.masked_fill(~reads_state, 0.0)
             out = out + (probabilities @ f).masked_fill(~within, 0.0) @ v
             outputs.append(out.reshape(batch, heads, size, head_dim))
-            compressed_keys = compressed_keys + e[:, :, 0] @ k[:, :, 0]  # (B, G, k, c) @ (B, G, c, d)
-            compressed_values = compressed_values + f[:, :, 0] @ v[:, :, 0]
+            e_new, f_new = e[:, :, 0], f[:, :, 0]  # (B, G, k, c)
+            if documents is not None:
+                # the sums carried on hold the document of the chunk's last token: earlier ones end here
+                last_document = chunk_documents[:, -1]  # (B,)
+                keep = (state_document == last_document)[:, None, None, None]  # (B, 1, 1, 1)
+                compressed_keys, compressed_values = compressed_keys * keep, compressed_values * keep
+                in_last = (chunk_documents == last_document[:, None])[:, None, None, :]  # (B, 1, 1, c)
+                e_new, f_new = e_new * in_last, f_new * in_last
+                state_document = last_document
+            compressed_keys = compressed_keys + e_new @ k[:, :, 0]  # (B, G, k, c) @ (B, G, c, d)
+            compressed_values = compressed_values + f_new @ v[:, :, 0]
         output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
         return output, {"keys": compressed_keys, "values": compressed_values}
 
-    def _bidirectional(self, query, key, value, key_columns, value_columns):
-        """The paper's form: K̄ = E·K and V̄ = F·V over the whole input."""
+    def _bidirectional(self, query, key, value, key_columns, value_columns, documents=None):
+        """The paper's form: K̄ = E·K and V̄ = F·V over the whole input (over each document of a packed row)."""
         batch, heads, length, head_dim = query.shape
         kv_heads = key.shape[1]
+        q = query.reshape(batch, kv_heads, heads // kv_heads, length, head_dim)  # (B, G, H/G, T, d)
+        if documents is not None:
+            return self._bidirectional_packed(q, key, value, key_columns, value_columns, documents)
         compressed_keys = key_columns @ key  # (B, P, k, T) @ (B, G, T, d) -> (B, G, k, d)
         compressed_values = value_columns @ value
-        q = query.reshape(batch, kv_heads, heads // kv_heads, length, head_dim)  # (B, G, H/G, T, d)
         scores = q @ compressed_keys[:, :, None].transpose(-1, -2) * self.scaling  # (B, G, H/G, T, k)
         probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         dropped = F.dropout(probabilities, self.attention_dropout, training=self.training)
         output = (dropped @ compressed_values[:, :, None]).reshape(batch, heads, length, head_dim)
         return output.transpose(1, 2), probabilities.reshape(batch, heads, length, -1)
+
+    def _bidirectional_packed(self, q, key, value, key_columns, value_columns, documents):
+        """The paper's form per document: K̄_n = Σ_{s in n} E[:, s]·k_s for each document n, read by its own
+        queries. `q` `(B, G, H/G, T, d)`, `documents` `(B, T)`."""
+        batch, kv_heads, groups, length, head_dim = q.shape
+        membership = F.one_hot(documents).to(key.dtype)  # (B, T, N)
+        key_columns = key_columns.expand(-1, kv_heads, -1, -1)  # (B, G, k, T)
+        value_columns = value_columns.expand(-1, kv_heads, -1, -1)
+        compressed_keys = torch.einsum("bgkt,btn,bgtd->bgnkd", key_columns, membership, key)  # (B, G, N, k, d)
+        compressed_values = torch.einsum("bgkt,btn,bgtd->bgnkd", value_columns, membership, value)
+        index = documents[:, None, :, None, None].expand(-1, kv_heads, -1, *compressed_keys.shape[-2:])
+        own_keys = compressed_keys.gather(2, index)  # (B, G, T, k, d): each token's document's slots
+        own_values = compressed_values.gather(2, index)
+        scores = torch.einsum("bghtd,bgtkd->bghtk", q, own_keys) * self.scaling  # (B, G, H/G, T, k)
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        dropped = F.dropout(probabilities, self.attention_dropout, training=self.training)
+        output = torch.einsum("bghtk,bgtkd->bghtd", dropped, own_values).reshape(batch, -1, length, head_dim)
+        return output.transpose(1, 2), probabilities.reshape(batch, kv_heads * groups, length, -1)
 
 
 class ZooLinformerModel(ZooModel):
@@ -197,16 +261,29 @@ class ZooLinformerModel(ZooModel):
 class ZooLinformerForCausalLM(ZooForCausalLM):
     config_class = ZooLinformerConfig
     base_model_class = ZooLinformerModel
+    # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt-lookup decoding
+    _is_stateful = True
 
-    def prepare_inputs_for_generation(self, *args, **kwargs):
+    def generate(self, *args, **kwargs):
         if not self.config.is_causal:
             raise ValueError(
                 "this linformer has is_causal=False: its projection runs over the whole input, future included, so "
                 "it cannot generate; build it with is_causal=True."
             )
-        return super().prepare_inputs_for_generation(*args, **kwargs)
+        return super().generate(*args, **kwargs)
+
+
+class ZooLinformerForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooLinformerModel
+
+
+class ZooLinformerForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooLinformerModel
+
+
+class ZooLinformerForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooLinformerModel
 
 
 ZooLinformerConfig.register_for_auto_class()
 ZooLinformerModel.register_for_auto_class("AutoModel")
-ZooLinformerForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -16,6 +16,8 @@ The kernel comes from transformers' `ALL_ATTENTION_FUNCTIONS` (`eager`, `sdpa`, 
 papers: none beyond the backbone's choices (pre-norm, RoPE by default).
 """
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
@@ -25,7 +27,16 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .configuration_zoo import ZooConfig
-from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooModel, ZooSoftmaxKernels, apply_rotary
+from .modeling_zoo import (
+    ZooAttention,
+    ZooForCausalLM,
+    ZooForQuestionAnswering,
+    ZooForSequenceClassification,
+    ZooForTokenClassification,
+    ZooModel,
+    ZooSoftmaxKernels,
+    apply_rotary,
+)
 
 
 class ZooMultiHeadAttention(ZooAttention):
@@ -35,6 +46,13 @@ class ZooMultiHeadAttention(ZooAttention):
     transformers' `ALL_ATTENTION_FUNCTIONS`. Variants with other kernels (sliding window, top-k, additive) subclass
     this and override `attend` only; `query_key_dim` lets queries and keys live in a width other than `head_dim`.
     """
+
+    sized_by: ClassVar[dict[str, str]] = {
+        "q_proj": "num_attention_heads, head_dim, hidden_size",
+        "k_proj": "num_key_value_heads, head_dim, hidden_size",
+        "v_proj": "num_key_value_heads, head_dim, hidden_size",
+        "o_proj": "num_attention_heads, head_dim, hidden_size",
+    }
 
     def __init__(self, config: ZooConfig, layer_idx: int, query_key_dim: int | None = None) -> None:
         super().__init__(config, layer_idx)
@@ -195,27 +213,71 @@ class ZooSingleHeadModel(ZooMHAFamilyModel):
     config_class = ZooSingleHeadConfig
 
 
-class ZooMHAFamilyForCausalLM(ZooSoftmaxKernels, ZooForCausalLM):
-    pass
-
-
-class ZooMHAForCausalLM(ZooMHAFamilyForCausalLM):
+class ZooMHAForCausalLM(ZooForCausalLM):
     config_class = ZooMHAConfig
     base_model_class = ZooMHAModel
 
 
-class ZooGQAForCausalLM(ZooMHAFamilyForCausalLM):
+class ZooGQAForCausalLM(ZooForCausalLM):
     config_class = ZooGQAConfig
     base_model_class = ZooGQAModel
 
 
-class ZooMQAForCausalLM(ZooMHAFamilyForCausalLM):
+class ZooMQAForCausalLM(ZooForCausalLM):
     config_class = ZooMQAConfig
     base_model_class = ZooMQAModel
 
 
-class ZooSingleHeadForCausalLM(ZooMHAFamilyForCausalLM):
+class ZooSingleHeadForCausalLM(ZooForCausalLM):
     config_class = ZooSingleHeadConfig
+    base_model_class = ZooSingleHeadModel
+
+
+class ZooMHAForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooMHAModel
+
+
+class ZooMHAForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooMHAModel
+
+
+class ZooMHAForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooMHAModel
+
+
+class ZooGQAForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooGQAModel
+
+
+class ZooGQAForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooGQAModel
+
+
+class ZooGQAForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooGQAModel
+
+
+class ZooMQAForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooMQAModel
+
+
+class ZooMQAForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooMQAModel
+
+
+class ZooMQAForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooMQAModel
+
+
+class ZooSingleHeadForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooSingleHeadModel
+
+
+class ZooSingleHeadForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooSingleHeadModel
+
+
+class ZooSingleHeadForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooSingleHeadModel
 
 
@@ -223,5 +285,3 @@ for _config_class in (ZooMHAConfig, ZooGQAConfig, ZooMQAConfig, ZooSingleHeadCon
     _config_class.register_for_auto_class()
 for _model_class in (ZooMHAModel, ZooGQAModel, ZooMQAModel, ZooSingleHeadModel):
     _model_class.register_for_auto_class("AutoModel")
-for _model_class in (ZooMHAForCausalLM, ZooGQAForCausalLM, ZooMQAForCausalLM, ZooSingleHeadForCausalLM):
-    _model_class.register_for_auto_class("AutoModelForCausalLM")

@@ -20,9 +20,11 @@ Llama's plain `arange`).
 This module is copied next to every saved checkpoint, so it only imports transformers, torch and flat siblings.
 """
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -31,8 +33,13 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -45,9 +52,14 @@ from .configuration_zoo import ZooConfig
 
 __all__ = [
     "BlockwiseCausalMask",
+    "TokenMask",
     "ZooAttention",
     "ZooDecoderLayer",
     "ZooForCausalLM",
+    "ZooForQuestionAnswering",
+    "ZooForSequenceClassification",
+    "ZooForTokenClassification",
+    "ZooHead",
     "ZooMLP",
     "ZooModel",
     "ZooPreTrainedModel",
@@ -83,6 +95,14 @@ def make_norm(config: ZooConfig) -> nn.Module:
 class ZooMLP(nn.Module):
     """Position-wise feed-forward: gated `down(act(gate(x)) * up(x))` (Llama's SwiGLU) or plain `down(act(up(x)))`."""
 
+    # Every module of the model names the config fields that size its direct children's tensors, so that a
+    # checkpoint that does not fit its config is reported with the fields to fix (see `sizing_fields`).
+    sized_by: ClassVar[dict[str, str]] = {
+        "gate_proj": "intermediate_size, hidden_size",
+        "up_proj": "intermediate_size, hidden_size",
+        "down_proj": "intermediate_size, hidden_size",
+    }
+
     def __init__(self, config: ZooConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -109,10 +129,13 @@ class ZooAttention(nn.Module):
     """
 
     o_proj: nn.Linear
+    sized_by: ClassVar[dict[str, str]] = {}  # the variant's tensors and the config fields that size them
     # What the backbone builds for `attention_mask`:
     # "dense": transformers' causal mask for the backend (4D; ALiBi folded in as an additive float mask);
     # "blockwise": a `BlockwiseCausalMask`, materialised a block of query rows at a time by chunked kernels;
-    # "padding": the 2D padding mask as given (or None), for variants that keep sums or states instead of scores.
+    # "tokens": a `TokenMask` (which new tokens are real, which document of a packed row each belongs to), for
+    #   variants that keep sums or states instead of scores.
+    # Each of them keeps the documents of a packed row apart, as transformers' own masks do.
     mask_type = "dense"
     # True when the kernel indexes parameters by position (Linformer's E, AFT's bias): positions are then always
     # counted over real tokens, as for absolute position embeddings
@@ -126,6 +149,8 @@ class ZooAttention(nn.Module):
 
 class ZooDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`, each branch with residual dropout."""
+
+    sized_by: ClassVar[dict[str, str]] = {"input_layernorm": "hidden_size", "post_attention_layernorm": "hidden_size"}
 
     def __init__(self, config: ZooConfig, layer_idx: int, attention_class: type[ZooAttention]) -> None:
         super().__init__()
@@ -228,6 +253,7 @@ class BlockwiseCausalMask:
     alibi_slopes: torch.Tensor | None = None  # (H,)
     query_positions: torch.LongTensor | None = None  # (B, T) true positions, for ALiBi
     key_positions: torch.LongTensor | None = None  # (B, S)
+    documents: torch.LongTensor | None = None  # (B, S) document of each key in a packed row; None: one per row
 
     def allowed(self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None) -> torch.Tensor:
         """Boolean `(B or 1, 1, q_end - q_start, k_end - k_start)`, True where query may attend to key. A row with no
@@ -242,6 +268,9 @@ class BlockwiseCausalMask:
         allowed = allowed[None, None]  # (1, 1, C, K)
         if self.key_padding is not None:
             allowed = allowed & self.key_padding[:, None, None, k_start:k_end]
+        if self.documents is not None:  # a packed row: each query sees the keys of its own document only
+            query_documents = self.documents[:, self.past_length + q_start : self.past_length + q_end]  # (B, C)
+            allowed = allowed & (query_documents[:, None, :, None] == self.documents[:, None, None, k_start:k_end])
         return allowed | ~allowed.any(dim=-1, keepdim=True)
 
     def additive(
@@ -256,6 +285,29 @@ class BlockwiseCausalMask:
             distance = self.query_positions[:, q_start:q_end, None] - self.key_positions[:, None, k_start:k_end]
             bias = (-self.alibi_slopes.view(1, -1, 1, 1) * distance[:, None]).to(dtype)  # (B, H, C, K)
         return torch.where(allowed, bias, torch.finfo(dtype).min)
+
+
+@dataclass
+class TokenMask:
+    """What a kernel that keeps running sums instead of scores (Linformer, AFT) needs to know about the T new tokens:
+    which are real, and where the documents of a packed row start (its sums restart there)."""
+
+    padding: torch.Tensor | None = None  # (B, T) bool, True for real tokens; None when nothing is padded
+    documents: torch.LongTensor | None = None  # (B, T) document of each token in a packed row; None: one per row
+
+
+def packed_documents(
+    position_ids: torch.LongTensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None, batch: int
+) -> torch.LongTensor | None:
+    """The document index of each token of a packed row `(B, T)`, or None when each row holds one sequence.
+
+    transformers' rule (`masking_utils`): with no 2D attention mask and no cache (padding-free training, e.g.
+    `DataCollatorWithFlattening`), a row whose `position_ids` restart at 0 holds several documents, which must not
+    see each other. Dense masks get this from `create_causal_mask`; the blockwise and token masks get it here.
+    """
+    if attention_mask is not None or past_key_values is not None:
+        return None
+    return find_packed_sequence_indices(position_ids.expand(batch, -1))
 
 
 class ZooPreTrainedModel(PreTrainedModel):
@@ -290,24 +342,24 @@ class ZooPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, except that weights which do not fit the config are an error.
+        """`PreTrainedModel.from_pretrained`, with a clearer error for weights whose shape does not fit the config.
 
-        transformers re-initialises missing tensors with a warning, which turns a checkpoint whose `config.json` was
-        edited (more layers, other head counts) into a silently broken model. Here a mismatched or missing tensor
-        raises `ValueError` naming the tensor and the config fields that size it; `ignore_mismatched_sizes=True`
-        accepts the partial load (those tensors are freshly initialised).
+        As in transformers, missing and unexpected tensors are reported (a warning, and `output_loading_info=True`)
+        and missing ones are initialised by `_init_weights`: a base-model checkpoint loads into the causal LM. A
+        tensor whose shape differs from what the config builds is an error naming the tensor and the config fields
+        that size it, unless `ignore_mismatched_sizes=True` (then it is initialised afresh, as transformers does).
         """
-        accept_partial = kwargs.pop("ignore_mismatched_sizes", False)
+        accept_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
         return_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(
             pretrained_model_name_or_path,
             *model_args,
-            ignore_mismatched_sizes=True,
+            ignore_mismatched_sizes=True,  # loaded to build the message below; refused unless asked for
             output_loading_info=True,
             **kwargs,
         )
-        if not accept_partial and (info["mismatched_keys"] or info["missing_keys"]):
-            raise ValueError(describe_misfit(pretrained_model_name_or_path, model.config, info))
+        if info["mismatched_keys"] and not accept_mismatch:
+            raise ValueError(describe_mismatch(pretrained_model_name_or_path, model, info["mismatched_keys"]))
         return (model, info) if return_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -338,33 +390,31 @@ def _write_model_card(folder, config: ZooConfig, **kwargs) -> None:
     write_card(folder, config, **kwargs)
 
 
-# Which config fields size each kind of tensor, to say what to fix when a checkpoint does not fit its config.
-_SHAPE_FIELDS = (
-    ("q_proj", "num_attention_heads, head_dim, hidden_size"),
-    ("k_proj", "num_key_value_heads, head_dim, hidden_size"),
-    ("v_proj", "num_key_value_heads, head_dim, hidden_size"),
-    ("o_proj", "num_attention_heads, head_dim, hidden_size"),
-    ("_proj", "intermediate_size, hidden_size"),
-    ("embed_tokens", "vocab_size, hidden_size"),
-    ("lm_head", "vocab_size, hidden_size"),
-    ("embed_positions", "max_position_embeddings, hidden_size"),
-    ("norm", "hidden_size"),
-)
+def sizing_fields(model: nn.Module, key: str) -> str:
+    """The config fields that size the tensor `key` of `model`, as declared by the module that owns it: the
+    nearest module on the path whose `sized_by` names the next step (`self_attn` names `q_proj`, ...)."""
+    parts = key.split(".")
+    for depth in range(len(parts), 0, -1):
+        try:
+            owner = model.get_submodule(".".join(parts[: depth - 1]))
+        except AttributeError:
+            continue
+        fields = getattr(owner, "sized_by", {}).get(parts[depth - 1])
+        if fields:
+            return fields
+    return "the variant's own fields"
 
 
-def describe_misfit(source, config: ZooConfig, info: dict) -> str:
+def describe_mismatch(source, model: nn.Module, mismatched: list) -> str:
+    config = model.config
     lines = [f"the weights in {source} do not fit the model its config describes ({config.model_type}):"]
-    for key, checkpoint_shape, model_shape in sorted(info["mismatched_keys"])[:8]:
-        fields = next((fields for part, fields in _SHAPE_FIELDS if part in key), "the variant's own fields")
+    for key, checkpoint_shape, model_shape in sorted(mismatched)[:8]:
         lines.append(
-            f"  {key}: checkpoint {list(checkpoint_shape)}, config builds {list(model_shape)} (sized by {fields})"
+            f"  {key}: checkpoint {list(checkpoint_shape)}, config builds {list(model_shape)} "
+            f"(sized by {sizing_fields(model, key)})"
         )
-    missing = sorted(info["missing_keys"])
-    if missing:
-        layers = "; with tensors of whole layers missing, check num_hidden_layers" if ".layers." in missing[0] else ""
-        lines.append(
-            f"  missing from the checkpoint: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}{layers}"
-        )
+    if len(mismatched) > 8:
+        lines.append(f"  ... and {len(mismatched) - 8} more")
     lines.append(
         "Restore the config.json saved with these weights, or pass ignore_mismatched_sizes=True to initialise the "
         "tensors that do not fit afresh."
@@ -384,21 +434,43 @@ class ZooSoftmaxKernels:
 
 
 def auto_map_for(model_class: type[ZooPreTrainedModel]) -> dict[str, str]:
-    """`auto_map` naming the classes of `model_class`'s variant, as `<module file>.<class>`."""
-    causal_lm = model_class if issubclass(model_class, ZooForCausalLM) else model_class.causal_lm_class
-    base = causal_lm.base_model_class
+    """`auto_map` naming every class of `model_class`'s variant (config, base model and each head), as
+    `<module file>.<class>`, so a checkpoint loads with `trust_remote_code=True` through any of the Auto classes."""
+    base = model_class if issubclass(model_class, ZooModel) else model_class.base_model_class
 
     def name(cls: type) -> str:
         return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
 
-    return {"AutoConfig": name(base.config_class), "AutoModel": name(base), "AutoModelForCausalLM": name(causal_lm)}
+    auto_map = {"AutoConfig": name(base.config_class), "AutoModel": name(base)}
+    return auto_map | {auto_class: name(head) for auto_class, head in base.heads.items()}
+
+
+def returns_output_to_its_head(forward):
+    """A base model inside a head (causal LM, classifier ...) returns its output object whatever
+    `config.return_dict` says: the head reads fields off it and applies `return_dict` to its own output. (Native
+    transformers models break there: with `config.return_dict = False` Llama's head gets a tuple and fails.)"""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if self.inside_head and kwargs.get("return_dict") is None:
+            kwargs["return_dict"] = True
+        return forward(self, *args, **kwargs)
+
+    return wrapper
 
 
 class ZooModel(ZooPreTrainedModel):
     """Embeddings, `num_hidden_layers` decoder layers built around `attention_class`, and the final norm."""
 
     attention_class: type[ZooAttention]
-    causal_lm_class = None  # the variant's ZooForCausalLM subclass, set by `ZooForCausalLM.__init_subclass__`
+    causal_lm_class = None  # the variant's ZooForCausalLM subclass, set by `ZooHead.__init_subclass__`
+    heads: ClassVar[dict[str, type]] = {}  # auto class name -> this variant's head of that kind (a `ZooHead`)
+    inside_head = False  # set on the instance a head builds (see `returns_output_to_its_head`)
+    sized_by: ClassVar[dict[str, str]] = {
+        "embed_tokens": "vocab_size, hidden_size",
+        "embed_positions": "max_position_embeddings, hidden_size",
+        "norm": "hidden_size",
+    }
 
     def __init__(self, config: ZooConfig) -> None:
         super().__init__(config)
@@ -418,6 +490,10 @@ class ZooModel(ZooPreTrainedModel):
         self.share_across_layers()
         self.post_init()
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.heads = {}  # each variant lists its own heads
+
     def share_across_layers(self) -> None:
         """Hook for parameters that all layers share (Linformer's layerwise projection); runs before init."""
 
@@ -426,6 +502,7 @@ class ZooModel(ZooPreTrainedModel):
         the config has `sliding_window`); variants that decode from a state return a `ZooStateCache`."""
         return DynamicCache(config=self.config)
 
+    @returns_output_to_its_head
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -460,9 +537,11 @@ class ZooModel(ZooPreTrainedModel):
             hidden_states = F.dropout(hidden_states, self.config.hidden_dropout, training=True)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
-        output_attentions = bool(kwargs.get("output_attentions", self.config.output_attentions))
+        # a flag left at None falls back to the config, as in transformers; kernels read the resolved value
+        if kwargs.get("output_attentions") is None:
+            kwargs["output_attentions"] = self.config.output_attentions
         causal_mask = self._attention_mask(
-            inputs_embeds, attention_mask, past_key_values, position_ids, output_attentions
+            inputs_embeds, attention_mask, past_key_values, position_ids, kwargs["output_attentions"]
         )
 
         for decoder_layer in self.layers:
@@ -510,14 +589,23 @@ class ZooModel(ZooPreTrainedModel):
         past_key_values: Cache | None,
         position_ids: torch.LongTensor,
         output_attentions: bool = False,
-    ) -> torch.Tensor | BlockwiseCausalMask | None:
+    ) -> torch.Tensor | BlockwiseCausalMask | TokenMask | None:
         """What the attention modules get as `attention_mask`, by the variant's `mask_type` (see `ZooAttention`)."""
         mask_type = self._mask_type(inputs_embeds.shape[1], output_attentions)
-        if mask_type == "padding":
-            return attention_mask
+        if mask_type == "dense":
+            return self._dense_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(
+                f"{self.config.model_type} builds its own causal mask and takes a 2D padding mask (batch, length), "
+                f"got a {attention_mask.ndim}D attention_mask; pass the padding mask instead."
+            )
+        documents = packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
         if mask_type == "blockwise":
-            return self._blockwise_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
-        return self._dense_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
+            return self._blockwise_mask(inputs_embeds, attention_mask, past_key_values, position_ids, documents)
+        padding = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            padding = attention_mask[:, -inputs_embeds.shape[1] :].bool()  # (B, T): the new tokens
+        return TokenMask(padding=padding, documents=documents)
 
     def _mask_type(self, query_length: int, output_attentions: bool) -> str:
         return self.attention_class.mask_type
@@ -564,6 +652,7 @@ class ZooModel(ZooPreTrainedModel):
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None,
         position_ids: torch.LongTensor,
+        documents: torch.LongTensor | None = None,
     ) -> BlockwiseCausalMask:
         batch_size, query_length = inputs_embeds.shape[:2]
         key_length, past_length = query_length, 0
@@ -582,6 +671,7 @@ class ZooModel(ZooPreTrainedModel):
             past_length=past_length,
             key_padding=key_padding,
             sliding_window=getattr(self.config, "sliding_window", None),
+            documents=documents,  # packed rows have no cache: the keys are the queries
         )
         if self.position_embedding_type == "alibi":
             mask.alibi_slopes = self._alibi_slopes(inputs_embeds.device)
@@ -656,11 +746,87 @@ def causal_lm_loss_fused(
     return LinearCrossEntropy.apply(hidden, lm_head.weight, targets, divisor, ignore_index, chunk_size)
 
 
-class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
+class ZooHead(ZooPreTrainedModel):
+    """A variant's base model (`self.model`) under a head. A variant's head class sets `base_model_class`; that
+    makes it the variant's head for `auto_class` (listed in `base_model_class.heads`, so in a checkpoint's
+    `auto_map`), takes the base model's config class and registers it for `trust_remote_code` saving."""
+
+    auto_class: ClassVar[str]
+    base_model_class: type[ZooModel]
+    # what transformers reads off the top-level class to pick a backend: the base model's answers
+    BACKEND_FLAGS = (
+        "_supports_sdpa",
+        "_supports_flash_attn",
+        "_supports_flex_attn",
+        "_supports_attention_backend",
+        "_can_compile_fullgraph",
+    )
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        base = cls.__dict__.get("base_model_class")
+        if base is not None:
+            cls.config_class = base.config_class
+            for flag in cls.BACKEND_FLAGS:
+                setattr(cls, flag, getattr(base, flag))
+        super().__init_subclass__(**kwargs)
+        if base is not None:
+            base.heads[cls.auto_class] = cls
+            cls.register_for_auto_class(cls.auto_class)
+
+    def _build_base_model(self, config: ZooConfig) -> None:
+        """`self.model`, built directly: transformers' generic heads go through `AutoModel.from_config`, which does
+        not know the variant when the checkpoint is loaded as remote code."""
+        ZooPreTrainedModel.__init__(self, config)
+        self.model = self.base_model_class(config)
+        self.model.inside_head = True
+
+
+class ZooForSequenceClassification(GenericForSequenceClassification, ZooHead):
+    """transformers' sequence classifier over the variant: the head reads the last non-padding token (the one that
+    has seen the whole sequence in a causal model); `config.num_labels` classes, `config.problem_type` losses."""
+
+    auto_class = "AutoModelForSequenceClassification"
+    sized_by: ClassVar[dict[str, str]] = {"score": "num_labels, hidden_size"}
+
+    def __init__(self, config: ZooConfig) -> None:
+        self._build_base_model(config)
+        self.num_labels = config.num_labels
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+
+class ZooForTokenClassification(GenericForTokenClassification, ZooHead):
+    """transformers' token classifier over the variant (dropout `hidden_dropout`, then a linear layer per token)."""
+
+    auto_class = "AutoModelForTokenClassification"
+    sized_by: ClassVar[dict[str, str]] = {"score": "num_labels, hidden_size"}
+
+    def __init__(self, config: ZooConfig) -> None:
+        self._build_base_model(config)
+        self.num_labels = config.num_labels
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class ZooForQuestionAnswering(GenericForQuestionAnswering, ZooHead):
+    """transformers' extractive question answering head over the variant: start and end logits per token."""
+
+    auto_class = "AutoModelForQuestionAnswering"
+    sized_by: ClassVar[dict[str, str]] = {"qa_outputs": "hidden_size"}
+
+    def __init__(self, config: ZooConfig) -> None:
+        self._build_base_model(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+
+class ZooForCausalLM(ZooHead, GenerationMixin):
     """A `ZooModel` with a language-modelling head; each variant subclasses it and sets `base_model_class`."""
 
+    auto_class = "AutoModelForCausalLM"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    base_model_class: type[ZooModel]
+    sized_by: ClassVar[dict[str, str]] = {"lm_head": "vocab_size, hidden_size"}
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -669,8 +835,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
             base.causal_lm_class = cls
 
     def __init__(self, config: ZooConfig) -> None:
-        super().__init__(config)
-        self.model = self.base_model_class(config)
+        self._build_base_model(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()

@@ -19,7 +19,15 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 
 from .configuration_zoo import ZooConfig
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import BlockwiseCausalMask, ZooForCausalLM, ZooModel, ZooSoftmaxKernels
+from .modeling_zoo import (
+    BlockwiseCausalMask,
+    ZooForCausalLM,
+    ZooForQuestionAnswering,
+    ZooForSequenceClassification,
+    ZooForTokenClassification,
+    ZooModel,
+    ZooSoftmaxKernels,
+)
 
 
 class ZooSlidingWindowConfig(ZooConfig):
@@ -97,11 +105,22 @@ class ZooSlidingWindowModel(ZooSoftmaxKernels, ZooModel):
         return "blockwise" if banded else "dense"
 
 
-class ZooSlidingWindowForCausalLM(ZooSoftmaxKernels, ZooForCausalLM):
+class ZooSlidingWindowForCausalLM(ZooForCausalLM):
     config_class = ZooSlidingWindowConfig
+    base_model_class = ZooSlidingWindowModel
+
+
+class ZooSlidingWindowForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooSlidingWindowModel
+
+
+class ZooSlidingWindowForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooSlidingWindowModel
+
+
+class ZooSlidingWindowForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooSlidingWindowModel
 
 
 ZooSlidingWindowConfig.register_for_auto_class()
 ZooSlidingWindowModel.register_for_auto_class("AutoModel")
-ZooSlidingWindowForCausalLM.register_for_auto_class("AutoModelForCausalLM")

@@ -17,7 +17,14 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import ZooChunkedConfig, check_positive_int
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import BlockwiseCausalMask, ZooForCausalLM, ZooModel
+from .modeling_zoo import (
+    BlockwiseCausalMask,
+    ZooForCausalLM,
+    ZooForQuestionAnswering,
+    ZooForSequenceClassification,
+    ZooForTokenClassification,
+    ZooModel,
+)
 
 
 class ZooTopKConfig(ZooChunkedConfig):
@@ -92,6 +99,17 @@ class ZooTopKForCausalLM(ZooForCausalLM):
     base_model_class = ZooTopKModel
 
 
+class ZooTopKForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooTopKModel
+
+
+class ZooTopKForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooTopKModel
+
+
+class ZooTopKForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooTopKModel
+
+
 ZooTopKConfig.register_for_auto_class()
 ZooTopKModel.register_for_auto_class("AutoModel")
-ZooTopKForCausalLM.register_for_auto_class("AutoModelForCausalLM")
