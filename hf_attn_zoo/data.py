@@ -6,8 +6,12 @@
 - Split: explicit validation files, or a deterministic split of the documents (`validation_fraction`, `seed`).
 - Tokenizer: an existing one (path or name), or a byte-level BPE trained on the training text (`vocab_size`); ids
   0-255 of the byte-level alphabet are GPT-2's byte symbols, `<|endoftext|>` is BOS/EOS and separates documents.
-- Packing: documents are tokenized in parallel (`Dataset.map`), joined with EOS and cut into blocks of
-  `block_size` tokens (the last partial block is dropped), `labels` equal to `input_ids`.
+- Packing: documents are tokenized in parallel (`Dataset.map`), each ended by EOS, joined and cut into blocks of
+  `block_size` tokens (the last partial block is dropped). `packing="eos"`: `labels` equal to `input_ids`, and a
+  token attends across document boundaries to the end of the previous document. `packing="documents"` (padding-free
+  training, as transformers' `DataCollatorWithFlattening`): each block also carries `position_ids` restarting at 0
+  at every document (and at the block's start, where a cut document goes on), so no token attends to another
+  document and positions count from each document's start; a document's first token is not a target (-100).
 """
 
 import glob
@@ -23,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 END_OF_TEXT = "<|endoftext|>"
 PAD = "<|pad|>"
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".text"}
+PACKING = ("eos", "documents")
 JSON_SUFFIXES = {".jsonl", ".json"}
 
 
@@ -53,6 +58,13 @@ class DataArguments:
     )
     vocab_size: int = field(default=8192, metadata={"help": "vocabulary of the trained BPE (>= 258)"})
     block_size: int = field(default=256, metadata={"help": "tokens per training block"})
+    packing: str = field(
+        default="eos",
+        metadata={
+            "help": "how documents share a block: eos (joined with EOS, attending across boundaries) or documents "
+            "(padding-free: position_ids restart at each document, which attends to itself only)"
+        },
+    )
     max_documents: int | None = field(
         default=None, metadata={"help": "use only the first N documents of each split (quick runs)"}
     )
@@ -64,6 +76,8 @@ class DataArguments:
             raise ValueError(f"data.validation_fraction must be in (0, 1), got {self.validation_fraction}.")
         if self.block_size < 2:
             raise ValueError(f"data.block_size must be at least 2, got {self.block_size}.")
+        if self.packing not in PACKING:
+            raise ValueError(f"data.packing={self.packing!r} is not one of {list(PACKING)}.")
         if self.tokenizer is None and self.vocab_size < 258:
             raise ValueError(f"data.vocab_size must be >= 258 (256 bytes + 2 special tokens), got {self.vocab_size}.")
 
@@ -213,8 +227,15 @@ def build_tokenizer(args: DataArguments, train_documents) -> PreTrainedTokenizer
     return train_byte_level_bpe((text for batch in batches for text in batch), args.vocab_size)
 
 
-def pack_blocks(documents, tokenizer: PreTrainedTokenizerBase, block_size: int, num_proc: int | None = None):
-    """Tokenize documents in parallel, join them with EOS and cut blocks of `block_size` tokens."""
+def pack_blocks(
+    documents,
+    tokenizer: PreTrainedTokenizerBase,
+    block_size: int,
+    num_proc: int | None = None,
+    packing: str = "eos",
+):
+    """Tokenize documents in parallel, end each with EOS, join them and cut blocks of `block_size` tokens (see the
+    module docstring for `packing`)."""
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
@@ -225,7 +246,17 @@ def pack_blocks(documents, tokenizer: PreTrainedTokenizerBase, block_size: int, 
         stream = [token for document in batch["input_ids"] for token in document]
         usable = len(stream) // block_size * block_size
         blocks = [stream[i : i + block_size] for i in range(0, usable, block_size)]
-        return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+        if packing == "eos":
+            return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+        position_ids, labels = [], []
+        for block in blocks:
+            positions, position = [], 0
+            for token in block:
+                positions.append(position)
+                position = 0 if token == eos else position + 1  # the token after EOS starts a document
+            position_ids.append(positions)
+            labels.append([-100 if at == 0 else token for token, at in zip(block, positions)])
+        return {"input_ids": blocks, "labels": labels, "position_ids": position_ids}
 
     tokens = documents.map(tokenize, batched=True, num_proc=num_proc, remove_columns=documents.column_names)
     return tokens.map(group, batched=True, batch_size=1000, num_proc=num_proc)
@@ -235,8 +266,8 @@ def prepare_data(args: DataArguments):
     """(tokenizer, train blocks, validation blocks, unigram baseline perplexity of the validation blocks)."""
     splits = load_text_splits(args)
     tokenizer = build_tokenizer(args, splits["train"])
-    train = pack_blocks(splits["train"], tokenizer, args.block_size, args.num_proc)
-    validation = pack_blocks(splits["validation"], tokenizer, args.block_size, args.num_proc)
+    train = pack_blocks(splits["train"], tokenizer, args.block_size, args.num_proc, args.packing)
+    validation = pack_blocks(splits["validation"], tokenizer, args.block_size, args.num_proc, args.packing)
     for name, blocks in (("training", train), ("validation", validation)):
         if len(blocks) == 0:
             raise ValueError(
@@ -248,14 +279,17 @@ def prepare_data(args: DataArguments):
 
 def unigram_perplexity(train_blocks, validation_blocks, vocab_size: int) -> float:
     """Perplexity on the validation tokens of the training tokens' unigram distribution (add-one smoothed): the
-    baseline a language model must beat. Scored like the model: every token but each block's first."""
+    baseline a language model must beat. Scored like the model: the targets of each block (every token but the
+    first; with `packing="documents"`, no document's first token)."""
     counts = Counter()
     for block in train_blocks["input_ids"]:
         counts.update(block)
     total = sum(counts.values()) + vocab_size
     nll, scored = 0.0, 0
-    for block in validation_blocks["input_ids"]:
-        for token in block[1:]:
+    for block, labels in zip(validation_blocks["input_ids"], validation_blocks["labels"]):
+        for token, label in zip(block[1:], labels[1:]):
+            if label == -100:
+                continue
             nll -= math.log((counts[token] + 1) / total)
             scored += 1
     return math.exp(nll / scored)

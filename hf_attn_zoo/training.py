@@ -428,6 +428,7 @@ def run_training(
     details = {
         "data": ", ".join(data_args.train_files) or "Python standard-library sources",
         "block size": data_args.block_size,
+        "packing": data_args.packing,
         "unigram baseline perplexity": round(unigram, 2),
     }
     trainer = ZooTrainer(
@@ -452,6 +453,7 @@ def run_training(
         "world_size": training_args.world_size,
         "distributed": trainer.accelerator.distributed_type.value,
         "steps": trainer.state.global_step,
+        "packing": data_args.packing,
         "train_tokens": trainer.state.global_step * tokens_per_step,
         "seconds": round(seconds, 1),
         "tokens_per_second": round((trainer.state.global_step - first_step) * tokens_per_step / max(seconds, 1e-9), 1),

@@ -69,12 +69,31 @@ def test_packing_joins_documents_with_eos_in_full_blocks():
     a, b, c, d, e, f = b"abcdef"
     assert blocks["input_ids"] == [[a, b, eos], [c, d, e], [eos, f, eos]]
     assert blocks["labels"] == blocks["input_ids"]
+    assert "position_ids" not in blocks.column_names
+
+
+def test_document_packing_restarts_positions_and_targets_at_each_document():
+    from datasets import Dataset
+
+    tokenizer = byte_level_tokenizer()
+    documents = Dataset.from_dict({"text": ["ab", "cde", "f"]})
+    blocks = pack_blocks(documents, tokenizer, block_size=3, packing="documents")
+    eos, x = tokenizer.eos_token_id, -100
+    a, b, c, d, e, f = b"abcdef"
+    assert blocks["input_ids"] == [[a, b, eos], [c, d, e], [eos, f, eos]]  # the same blocks as EOS packing
+    # a block's start and the token after each EOS start a document: position 0, not a target
+    assert blocks["position_ids"] == [[0, 1, 2], [0, 1, 2], [0, 0, 1]]
+    assert blocks["labels"] == [[x, b, eos], [x, d, e], [x, x, eos]]
+    with pytest.raises(ValueError, match="data.packing"):
+        DataArguments(packing="padding")
 
 
 def test_unigram_baseline_known_answer():
     # training tokens 0..3 once each; vocabulary 6: p = (1 + 1) / (4 + 6) for each scored token -> perplexity 5
     train = {"input_ids": [[0, 1, 2, 3]]}
-    validation = {"input_ids": [[5, 0, 1, 2, 3]]}  # the first token of a block is not predicted
+    validation = {"input_ids": [[5, 0, 1, 2, 3]], "labels": [[5, 0, 1, 2, 3]]}  # a block's first is no target
+    assert unigram_perplexity(train, validation, 6) == pytest.approx(5.0)
+    validation = {"input_ids": [[5, 0, 1, 4, 2, 3]], "labels": [[5, 0, 1, -100, 2, 3]]}  # nor is a -100 label
     assert unigram_perplexity(train, validation, 6) == pytest.approx(5.0)
 
 

@@ -1,6 +1,7 @@
 """Training: recipes, bad input caught before training, resume, crash-safe checkpoints, several processes."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,12 @@ def test_resume_continues_the_same_loss_trajectory(tmp_path):
     assert len(straight["losses"]) == len(resumed["losses"]) == 16
     assert resumed["losses"][:8] == straight["losses"][:8]  # the history restored from checkpoint-8
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"]), rtol=0, atol=1e-5)
+
+
+def test_padding_free_training_keeps_documents_apart(tmp_path):
+    summary = tiny_run(tmp_path / "run", "--training.max_steps", 4, "--data.packing", "documents")
+    assert summary["steps"] == 4 and math.isfinite(summary["validation_perplexity"])
+    assert summary["packing"] == "documents"
 
 
 def test_checkpoints_are_complete_or_set_aside(tmp_path):
