@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
+from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import ZooChunkedConfig, check_positive_int
@@ -29,6 +30,7 @@ from .modeling_zoo import (
     ZooForSequenceClassification,
     ZooForTokenClassification,
     ZooModel,
+    weighted_values,
 )
 
 
@@ -82,11 +84,11 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
             scores += attention_mask.additive(start, end, scores.dtype, k_end=visible)
             probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
-            outputs.append(torch.matmul(probabilities, value[:, :, :visible]))  # (B, H, C, d)
             if kwargs.get("output_attentions"):
                 weights.append(F.pad(probabilities, (0, key_length - visible)))
-        attn_output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
-        return attn_output, torch.cat(weights, dim=2) if weights else None
+            else:
+                outputs.append(torch.matmul(probabilities, value[:, :, :visible]))  # (B, H, C, d)
+        return weighted_values(outputs, weights, value)
 
 
 class ZooAdditiveModel(ZooModel):
@@ -94,7 +96,7 @@ class ZooAdditiveModel(ZooModel):
     attention_class = ZooAdditiveAttention
 
 
-class ZooAdditiveForCausalLM(ZooForCausalLM):
+class ZooAdditiveForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooAdditiveConfig
     base_model_class = ZooAdditiveModel
 

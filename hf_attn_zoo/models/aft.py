@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from transformers.generation import GenerationMixin
 
 from .cache_zoo import ZooStateCache, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_positive_int
@@ -349,17 +350,17 @@ class ZooAFTForCausalLM(ZooForCausalLM):
     _is_stateful = True
 
 
-class ZooAFTFullForCausalLM(ZooAFTForCausalLM):
+class ZooAFTFullForCausalLM(ZooAFTForCausalLM, GenerationMixin):
     config_class = ZooAFTFullConfig
     base_model_class = ZooAFTFullModel
 
 
-class ZooAFTLocalForCausalLM(ZooAFTForCausalLM):
+class ZooAFTLocalForCausalLM(ZooAFTForCausalLM, GenerationMixin):
     config_class = ZooAFTLocalConfig
     base_model_class = ZooAFTLocalModel
 
 
-class ZooAFTSimpleForCausalLM(ZooAFTForCausalLM):
+class ZooAFTSimpleForCausalLM(ZooAFTForCausalLM, GenerationMixin):
     config_class = ZooAFTSimpleConfig
     base_model_class = ZooAFTSimpleModel
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
+from transformers.generation import GenerationMixin
 
 from .cache_zoo import ZooStateCache, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_choice, check_positive_int
@@ -258,7 +259,7 @@ class ZooLinformerModel(ZooModel):
         return ZooStateCache(self.config.num_hidden_layers)
 
 
-class ZooLinformerForCausalLM(ZooForCausalLM):
+class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooLinformerConfig
     base_model_class = ZooLinformerModel
     # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt-lookup decoding

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
@@ -213,22 +214,22 @@ class ZooSingleHeadModel(ZooMHAFamilyModel):
     config_class = ZooSingleHeadConfig
 
 
-class ZooMHAForCausalLM(ZooForCausalLM):
+class ZooMHAForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooMHAConfig
     base_model_class = ZooMHAModel
 
 
-class ZooGQAForCausalLM(ZooForCausalLM):
+class ZooGQAForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooGQAConfig
     base_model_class = ZooGQAModel
 
 
-class ZooMQAForCausalLM(ZooForCausalLM):
+class ZooMQAForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooMQAConfig
     base_model_class = ZooMQAModel
 
 
-class ZooSingleHeadForCausalLM(ZooForCausalLM):
+class ZooSingleHeadForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooSingleHeadConfig
     base_model_class = ZooSingleHeadModel
 

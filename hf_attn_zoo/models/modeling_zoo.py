@@ -52,7 +52,9 @@ from .configuration_zoo import ZooConfig
 
 __all__ = [
     "BlockwiseCausalMask",
+    "CheckpointMismatchError",
     "TokenMask",
+    "weighted_values",
     "ZooAttention",
     "ZooDecoderLayer",
     "ZooForCausalLM",
@@ -287,6 +289,20 @@ class BlockwiseCausalMask:
         return torch.where(allowed, bias, torch.finfo(dtype).min)
 
 
+def weighted_values(
+    outputs: list[torch.Tensor], weights: list[torch.Tensor], value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The result of a chunked kernel: `(B, T, H, d)` and the attention weights `(B, H, T, S)` or None.
+
+    Without weights the chunks' outputs `(B, H, C, d)` are joined. With weights (`output_attentions`) the chunks
+    gave their weight rows instead, and the output is computed from the joined matrix, so the weights returned are
+    the ones the output depends on (their gradients exist, as for transformers' eager attention)."""
+    if weights:
+        weights = torch.cat(weights, dim=2)  # (B, H, T, S)
+        return torch.matmul(weights, value).transpose(1, 2), weights
+    return torch.cat(outputs, dim=2).transpose(1, 2), None  # (B, H, T, d) -> (B, T, H, d)
+
+
 @dataclass
 class TokenMask:
     """What a kernel that keeps running sums instead of scores (Linformer, AFT) needs to know about the T new tokens:
@@ -359,7 +375,9 @@ class ZooPreTrainedModel(PreTrainedModel):
             **kwargs,
         )
         if info["mismatched_keys"] and not accept_mismatch:
-            raise ValueError(describe_mismatch(pretrained_model_name_or_path, model, info["mismatched_keys"]))
+            raise CheckpointMismatchError(
+                describe_mismatch(pretrained_model_name_or_path, model, info["mismatched_keys"])
+            )
         return (model, info) if return_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -388,6 +406,11 @@ def _write_model_card(folder, config: ZooConfig, **kwargs) -> None:
     except ImportError:
         return
     write_card(folder, config, **kwargs)
+
+
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """Weights whose shapes do not fit the config: a `ValueError` (bad input) that is also the `RuntimeError`
+    transformers raises for it, so code written against either catches it."""
 
 
 def sizing_fields(model: nn.Module, key: str) -> str:

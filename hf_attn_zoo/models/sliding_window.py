@@ -15,6 +15,7 @@ instead of O(T²). With w >= T both are plain causal attention, the `gqa` varian
 
 import torch
 from torch.nn import functional as F
+from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_sliding_window_causal_mask
 
 from .configuration_zoo import ZooConfig
@@ -105,7 +106,7 @@ class ZooSlidingWindowModel(ZooSoftmaxKernels, ZooModel):
         return "blockwise" if banded else "dense"
 
 
-class ZooSlidingWindowForCausalLM(ZooForCausalLM):
+class ZooSlidingWindowForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooSlidingWindowConfig
     base_model_class = ZooSlidingWindowModel
 

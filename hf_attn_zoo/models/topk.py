@@ -13,6 +13,7 @@ scores only. Ties at the k-th score are broken by `torch.topk`.
 
 import torch
 from torch.nn import functional as F
+from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import ZooChunkedConfig, check_positive_int
@@ -24,6 +25,7 @@ from .modeling_zoo import (
     ZooForSequenceClassification,
     ZooForTokenClassification,
     ZooModel,
+    weighted_values,
 )
 
 
@@ -52,8 +54,9 @@ class ZooTopKAttention(ZooMultiHeadAttention):
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         keep, chunk = self.config.topk, self.config.query_chunk_size
         seen_by_last = attention_mask.past_length + query.shape[2]  # a static cache holds empty slots past that
+        output_attentions = kwargs.get("output_attentions")
         if keep >= seen_by_last:  # every visible key is kept: plain softmax attention, in eager's order of operations
-            return self._dense(query, key, value, attention_mask, kwargs.get("output_attentions"))
+            return self._dense(query, key, value, attention_mask, output_attentions)
         batch, heads, key_length, head_dim = value.shape
         outputs, weights = [], []
         for start in range(0, query.shape[2], chunk):
@@ -65,14 +68,14 @@ class ZooTopKAttention(ZooMultiHeadAttention):
             kept, index = scores.topk(min(keep, visible), dim=-1)  # (B, H, C, k)
             probabilities = F.softmax(kept, dim=-1, dtype=torch.float32).to(query.dtype)
             probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
+            if output_attentions:  # the full (C, S) matrix, only when asked for
+                weights.append(scores.new_zeros(*scores.shape[:-1], key_length).scatter(-1, index, probabilities))
+                continue
             # only the kept values: (B, H, S, d) gathered at (B, H, C*k) -> (B, H, C, k, d)
             chosen = value.gather(2, index.reshape(batch, heads, -1, 1).expand(-1, -1, -1, head_dim))
             chosen = chosen.view(batch, heads, end - start, index.shape[-1], head_dim)
             outputs.append(torch.einsum("bhck,bhckd->bhcd", probabilities, chosen))
-            if kwargs.get("output_attentions"):  # the full (C, S) matrix only when asked for
-                weights.append(scores.new_zeros(*scores.shape[:-1], key_length).scatter_(-1, index, probabilities))
-        attn_output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
-        return attn_output, torch.cat(weights, dim=2) if weights else None
+        return weighted_values(outputs, weights, value)
 
     def _dense(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
         outputs, weights = [], []
@@ -82,11 +85,11 @@ class ZooTopKAttention(ZooMultiHeadAttention):
             scores = scores + attention_mask.additive(start, end, scores.dtype)
             probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
-            outputs.append(torch.matmul(probabilities, value))  # (B, H, C, d)
             if output_attentions:
                 weights.append(probabilities)
-        attn_output = torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
-        return attn_output, torch.cat(weights, dim=2) if weights else None
+            else:
+                outputs.append(torch.matmul(probabilities, value))  # (B, H, C, d)
+        return weighted_values(outputs, weights, value)
 
 
 class ZooTopKModel(ZooModel):
@@ -94,7 +97,7 @@ class ZooTopKModel(ZooModel):
     attention_class = ZooTopKAttention
 
 
-class ZooTopKForCausalLM(ZooForCausalLM):
+class ZooTopKForCausalLM(ZooForCausalLM, GenerationMixin):
     config_class = ZooTopKConfig
     base_model_class = ZooTopKModel
 
