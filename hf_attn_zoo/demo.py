@@ -30,6 +30,10 @@ class DemoOptions:
     max_new_tokens: int = field(default=60, metadata={"help": "tokens to generate"})
     output_dir: str = field(default="outputs/demo", metadata={"help": "where the run and the final model go"})
     seed: int = field(default=0, metadata={"help": "random seed"})
+    packing: str = field(
+        default="eos",
+        metadata={"help": "eos (documents joined with EOS) or documents (padding-free, each document alone)"},
+    )
 
 
 # A small model: 4 layers x 192 (2.6M parameters with the 4096-token vocabulary); heads follow each variant's own
@@ -37,8 +41,8 @@ class DemoOptions:
 DEMO_CONFIG = {"hidden_size": 192, "num_hidden_layers": 4, "max_position_embeddings": 256}
 
 
-def run_demo(options: DemoOptions) -> dict:
-    start = time.perf_counter()
+def demo_recipe(options: DemoOptions) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
+    """The demo's recipe, as `hf-attn-zoo train` would parse it."""
     variant = get_variant(options.variant)
     config = dict(DEMO_CONFIG)
     if variant.config_class().num_attention_heads > 1:  # variants with several heads: 6 of width 32
@@ -46,7 +50,12 @@ def run_demo(options: DemoOptions) -> dict:
     output_dir = Path(options.output_dir)
     model_args = ModelArguments(variant=variant.name, size=None, config=json.dumps(config))
     data_args = DataArguments(
-        vocab_size=4096, block_size=128, num_proc=2, max_documents=options.max_documents, seed=options.seed
+        vocab_size=4096,
+        block_size=128,
+        num_proc=2,
+        max_documents=options.max_documents,
+        seed=options.seed,
+        packing=options.packing,
     )
     training_args = TrainingArguments(
         output_dir=str(output_dir),
@@ -67,7 +76,13 @@ def run_demo(options: DemoOptions) -> dict:
         resume_from_checkpoint="latest" if complete_checkpoints(output_dir) else None,
         seed=options.seed,
     )
-    summary = run_training(model_args, data_args, training_args)
+    return model_args, data_args, training_args
+
+
+def run_demo(options: DemoOptions) -> dict:
+    start = time.perf_counter()
+    variant = get_variant(options.variant)
+    summary = run_training(*demo_recipe(options))
     final = Path(summary["final_model"])
     model = AutoModelForCausalLM.from_pretrained(final).eval()
     tokenizer = AutoTokenizer.from_pretrained(final)

@@ -1,0 +1,104 @@
+"""Padding-free training (`data.packing=documents`) against EOS-separated packing (`data.packing=eos`).
+
+Both train the demo's model (`hf-attn-zoo demo`: gqa, 4 layers x 192, blocks of 128 tokens, Python's standard
+library) on the same blocks for the same steps; the only difference is whether a token may attend across a document
+boundary. Runs alternate between the two modes (eos, documents, documents, eos, ...) so that drift of the machine
+hits both alike. Reported per run: training tokens/s, the run's own validation perplexity (its packing, its targets)
+and the perplexity the harness (`hf_attn_zoo.evaluation.perplexity.score_texts`) gives on the held-out documents,
+each scored alone, with and without a BOS token in front.
+
+    python benchmarks/packing.py [--steps 600] [--seeds 0 1] [--variant gqa] [--output_dir benchmarks/results]
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_attn_zoo.data import load_text_splits
+from hf_attn_zoo.demo import DemoOptions, demo_recipe
+from hf_attn_zoo.evaluation.perplexity import score_texts
+from hf_attn_zoo.training import run_training
+
+MODES = ("eos", "documents")
+
+
+def run(mode: str, seed: int, steps: int, variant: str, root: Path) -> dict:
+    options = DemoOptions(
+        variant=variant, max_steps=steps, seed=seed, packing=mode, output_dir=str(root / f"{mode}-{seed}")
+    )
+    model_args, data_args, training_args = demo_recipe(options)
+    training_args.report_to = []
+    summary_path = Path(training_args.output_dir) / "training_summary.json"
+    summary = (
+        json.loads(summary_path.read_text())
+        if summary_path.is_file()
+        else run_training(model_args, data_args, training_args)
+    )
+    final = Path(training_args.output_dir) / "final"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
+    texts = load_text_splits(data_args)["validation"]["text"]
+    scores = {
+        f"harness_perplexity_{'bos' if bos else 'no_bos'}": score_texts(
+            model, tokenizer, texts, max_length=256, stride=128, batch_size=8, add_bos=bos
+        ).perplexity
+        for bos in (True, False)
+    }
+    return {
+        "mode": mode,
+        "seed": seed,
+        "steps": summary["steps"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "validation_perplexity": summary["validation_perplexity"],
+        **{key: round(value, 3) for key, value in scores.items()},
+    }
+
+
+def table(rows: list[dict]) -> str:
+    keys = ("tokens_per_second", "validation_perplexity", "harness_perplexity_bos", "harness_perplexity_no_bos")
+    lines = [
+        "| packing | runs | tokens/s | own validation perplexity | held-out docs, BOS + text | held-out docs, text |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for mode in MODES:
+        runs = [row for row in rows if row["mode"] == mode]
+        cells = []
+        for key in keys:
+            values = [row[key] for row in runs]
+            spread = f" ± {statistics.stdev(values):,.1f}" if len(values) > 1 else ""
+            cells.append(f"{statistics.mean(values):,.1f}{spread}")
+        lines.append(f"| `{mode}` | {len(runs)} | " + " | ".join(cells) + " |")
+    ratios = [
+        documents["tokens_per_second"] / eos["tokens_per_second"]
+        for eos, documents in zip(
+            [row for row in rows if row["mode"] == "eos"], [row for row in rows if row["mode"] == "documents"]
+        )
+    ]
+    lines.append("")
+    lines.append(f"tokens/s documents / eos, per seed: {', '.join(f'{ratio:.3f}' for ratio in ratios)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the demo's 600)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="one run per mode and seed")
+    parser.add_argument("--variant", default="gqa", help="registered variant")
+    parser.add_argument("--runs_dir", type=Path, default=Path("runs/packing"), help="training runs (resumable)")
+    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the table goes")
+    args = parser.parse_args()
+    rows = []
+    for i, seed in enumerate(args.seeds):
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:  # alternate the order: eos, documents, documents, eos
+            rows.append(run(mode, seed, args.steps, args.variant, args.runs_dir))
+            print(json.dumps(rows[-1]), flush=True)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "packing.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (args.output_dir / "packing.md").write_text(table(rows) + "\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
