@@ -63,3 +63,18 @@ def test_a_narrow_window_changes_the_result():
         a, b = window(input_ids).logits, gqa(input_ids).logits
     torch.testing.assert_close(a[:, :3], b[:, :3], atol=ATOL, rtol=0)  # the first w tokens see everything anyway
     assert not torch.allclose(a[:, 3:], b[:, 3:], atol=1e-3)
+
+
+def test_banded_kernel_gives_padding_queries_what_the_dense_path_gives():
+    """Right padding (transformers' testers use it) where a padding query's window holds only padding: sdpa on the
+    dense path gives such a row 0, and so must the banded kernel (> 2w tokens), or the hidden states of padding
+    positions differ between the two paths."""
+    model = tiny_model("sliding_window", sliding_window=4)  # sdpa
+    input_ids = torch.randint(3, 90, (3, 13))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, 3:] = 0  # 10 padding tokens at the end: the last 6 see only padding
+    attention_mask[1, 9:] = 0
+    with torch.no_grad():
+        banded = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+        dense = model(input_ids, attention_mask=attention_mask, use_cache=False, output_attentions=True).logits
+    torch.testing.assert_close(banded, dense, atol=ATOL, rtol=0)

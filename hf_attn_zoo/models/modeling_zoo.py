@@ -257,9 +257,12 @@ class BlockwiseCausalMask:
     key_positions: torch.LongTensor | None = None  # (B, S)
     documents: torch.LongTensor | None = None  # (B, S) document of each key in a packed row; None: one per row
 
-    def allowed(self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None) -> torch.Tensor:
+    def allowed(
+        self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None, fill_empty_rows: bool = True
+    ) -> torch.Tensor:
         """Boolean `(B or 1, 1, q_end - q_start, k_end - k_start)`, True where query may attend to key. A row with no
-        allowed key (a padding query) allows all of them, so that kernels stay finite; its output is never used."""
+        allowed key (a padding query) allows all of them unless `fill_empty_rows=False`, so that kernels stay
+        finite; its output is never used."""
         k_end = self.key_length if k_end is None else k_end
         device = self.key_padding.device if self.key_padding is not None else None
         queries = torch.arange(q_start, q_end, device=device)[:, None] + self.past_length  # (C, 1) key index of query
@@ -273,7 +276,7 @@ class BlockwiseCausalMask:
         if self.documents is not None:  # a packed row: each query sees the keys of its own document only
             query_documents = self.documents[:, self.past_length + q_start : self.past_length + q_end]  # (B, C)
             allowed = allowed & (query_documents[:, None, :, None] == self.documents[:, None, None, k_start:k_end])
-        return allowed | ~allowed.any(dim=-1, keepdim=True)
+        return allowed | ~allowed.any(dim=-1, keepdim=True) if fill_empty_rows else allowed
 
     def additive(
         self, q_start: int, q_end: int, dtype: torch.dtype, k_start: int = 0, k_end: int | None = None

@@ -65,7 +65,8 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
     def _banded(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockwiseCausalMask
     ) -> torch.Tensor:
-        """Blocks of queries, each against the keys of its band only. `(B, H, T, d)` -> `(B, T, H, d)`."""
+        """Blocks of queries, each against the keys of its band only. `(B, H, T, d)` -> `(B, T, H, d)`. A query
+        whose window holds no real key (a padding token) gets 0, as sdpa gives it on the dense path."""
         window = self.config.sliding_window
         block = max(window, 64)  # per block: block x (block + window) scores
         dropout = self.attention_dropout if self.training else 0.0
@@ -74,21 +75,22 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
             q_end = min(query.shape[2], q_start + block)
             k_start = max(0, mask.past_length + q_start - window + 1)  # first key the first query of the block sees
             k_end = mask.past_length + q_end
+            allowed = mask.allowed(q_start, q_end, k_start, k_end, fill_empty_rows=False)  # (B or 1, 1, C, K)
+            empty = ~allowed.any(-1, keepdim=True)  # padding queries with no key in their window
             if mask.alibi_slopes is not None:
                 block_mask = mask.additive(q_start, q_end, query.dtype, k_start, k_end)  # (B, H, C, K)
             else:
-                block_mask = mask.allowed(q_start, q_end, k_start, k_end)  # (B or 1, 1, C, K)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    query[:, :, q_start:q_end],
-                    key[:, :, k_start:k_end],
-                    value[:, :, k_start:k_end],
-                    attn_mask=block_mask,
-                    dropout_p=dropout,
-                    scale=self.scaling,
-                    enable_gqa=self.num_key_value_groups > 1,
-                )
-            )
+                block_mask = allowed | empty  # finite for sdpa; those rows are zeroed below
+            output = F.scaled_dot_product_attention(
+                query[:, :, q_start:q_end],
+                key[:, :, k_start:k_end],
+                value[:, :, k_start:k_end],
+                attn_mask=block_mask,
+                dropout_p=dropout,
+                scale=self.scaling,
+                enable_gqa=self.num_key_value_groups > 1,
+            )  # (B, H, C, d)
+            outputs.append(output.masked_fill(empty, 0.0))
         return torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
 
 
