@@ -57,27 +57,26 @@ def run(mode: str, seed: int, steps: int, variant: str, root: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    keys = ("tokens_per_second", "validation_perplexity", "harness_perplexity_bos", "harness_perplexity_no_bos")
+    """One row per run, then the paired comparison: a seed fixes the split, the initialisation and the data order,
+    so the two modes are compared within a seed (documents / eos) and the spread of those ratios is the noise."""
     lines = [
-        "| packing | runs | tokens/s | own validation perplexity | held-out docs, BOS + text | held-out docs, text |",
+        "| packing | seed | tokens/s | own validation perplexity | held-out docs, BOS + text | held-out docs, text |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for mode in MODES:
-        runs = [row for row in rows if row["mode"] == mode]
-        cells = []
-        for key in keys:
-            values = [row[key] for row in runs]
-            spread = f" ± {statistics.stdev(values):,.1f}" if len(values) > 1 else ""
-            cells.append(f"{statistics.mean(values):,.1f}{spread}")
-        lines.append(f"| `{mode}` | {len(runs)} | " + " | ".join(cells) + " |")
-    ratios = [
-        documents["tokens_per_second"] / eos["tokens_per_second"]
-        for eos, documents in zip(
-            [row for row in rows if row["mode"] == "eos"], [row for row in rows if row["mode"] == "documents"]
+    for row in sorted(rows, key=lambda row: (row["seed"], row["mode"])):
+        lines.append(
+            f"| `{row['mode']}` | {row['seed']} | {row['tokens_per_second']:,.0f} "
+            f"| {row['validation_perplexity']:.2f} | {row['harness_perplexity_bos']:.2f} "
+            f"| {row['harness_perplexity_no_bos']:.2f} |"
         )
-    ]
-    lines.append("")
-    lines.append(f"tokens/s documents / eos, per seed: {', '.join(f'{ratio:.3f}' for ratio in ratios)}")
+    by_seed = {(row["seed"], row["mode"]): row for row in rows}
+    seeds = sorted({seed for seed, mode in by_seed if (seed, "eos") in by_seed and (seed, "documents") in by_seed})
+    lines += ["", "| documents / eos | per seed | mean |", "| --- | --- | ---: |"]
+    for key, label in (("tokens_per_second", "tokens/s"), ("harness_perplexity_bos", "held-out perplexity")):
+        ratios = [by_seed[seed, "documents"][key] / by_seed[seed, "eos"][key] for seed in seeds]
+        spread = f" ± {statistics.stdev(ratios):.3f}" if len(ratios) > 1 else ""
+        cells = ", ".join(f"{ratio:.3f}" for ratio in ratios)
+        lines.append(f"| {label} | {cells} | {statistics.mean(ratios):.3f}{spread} |")
     return "\n".join(lines)
 
 
@@ -89,7 +88,7 @@ def main() -> None:
     parser.add_argument("--runs_dir", type=Path, default=Path("runs/packing"), help="training runs (resumable)")
     parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the table goes")
     args = parser.parse_args()
-    rows = []
+    rows = []  # runs already done (their training_summary.json) are scored again, not retrained
     for i, seed in enumerate(args.seeds):
         for mode in MODES if i % 2 == 0 else MODES[::-1]:  # alternate the order: eos, documents, documents, eos
             rows.append(run(mode, seed, args.steps, args.variant, args.runs_dir))
