@@ -1,5 +1,7 @@
-"""Writing model folders so that an interrupted write never looks like a finished one."""
+"""Writing model folders: the package's one save path, and folders that an interrupted write never leaves looking
+finished."""
 
+import json
 import os
 import shutil
 import time
@@ -26,3 +28,25 @@ def publish_folder(folder: str | os.PathLike, write: Callable[[Path], None]) -> 
         folder.rename(folder.with_name(f"{folder.name}.before-{int(time.time())}"))
     staging.rename(folder)
     return folder
+
+
+def save_checkpoint(
+    folder: str | os.PathLike,
+    model,
+    tokenizer=None,
+    training: dict | None = None,
+    summary: dict | None = None,
+) -> Path:
+    """Save `model` where every command of the package saves one (training's final model, `convert`, the demo):
+    weights, config with the `auto_map` of every Auto class and the model code (`save_pretrained`), the tokenizer,
+    the model card with `training` details, and `summary` as training_summary.json. Written beside `folder` and
+    renamed into place (`publish_folder`)."""
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, training=training)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        if summary is not None:
+            (staging / "training_summary.json").write_text(json.dumps(summary, indent=2))
+
+    return publish_folder(folder, write)

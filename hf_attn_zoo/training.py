@@ -36,7 +36,6 @@ from transformers import (
 )
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .cards import model_card
 from .checkpoints import publish_folder, write_atomically
 from .convert import from_llama, mha_to_gqa
 from .convert.pooling import METHODS as POOLING_METHODS
@@ -44,7 +43,6 @@ from .data import DataArguments, prepare_data, tokenizer_fields
 from .models import ZooConfig, ZooForCausalLM, get_variant
 
 COMPLETE_MARKER = "checkpoint_complete.json"
-REPO_PRESETS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 # Defaults the recipes may override: TensorBoard logs; DDP without the search for unused parameters (every zoo
 # parameter takes part in the loss, and the search costs a pass over the graph every step).
@@ -58,10 +56,7 @@ class ModelArguments:
     variant: str = field(default="gqa", metadata={"help": "registered variant (see `hf-attn-zoo list`)"})
     size: str | None = field(
         default="tiny",
-        metadata={"help": "preset of configs/models/<variant>.json (tiny, small, base); empty: model.config alone"},
-    )
-    presets_dir: str | None = field(
-        default=None, metadata={"help": "directory of the preset files (default: the repository's configs/models)"}
+        metadata={"help": "preset of the variant (tiny, small, base: `hf-attn-zoo list --presets`); empty: config"},
     )
     config: str | None = field(
         default=None, metadata={"help": "JSON mapping (a YAML mapping in recipes) of config fields over the preset"}
@@ -203,20 +198,6 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tu
     return tuple(parsed)
 
 
-def load_preset(variant: str, size: str, presets_dir: str | None = None) -> dict:
-    directory = Path(presets_dir) if presets_dir else REPO_PRESETS
-    path = directory / f"{get_variant(variant).name}.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no preset file {path}: presets live in configs/models of the hf_attn_zoo repository; set "
-            f"model.presets_dir, or give the config fields in model.config."
-        )
-    presets = json.loads(path.read_text())
-    if size not in presets:
-        raise ValueError(f"model.size={size!r} is not a preset of {path}; choose one of {sorted(presets)}.")
-    return dict(presets[size])
-
-
 def source_folder(init_from: str) -> str:
     """The checkpoint folder of `init_from`: itself, or the converted copy of a .gguf file."""
     from .convert.gguf import plain_checkpoint, smollm2_gguf
@@ -255,11 +236,8 @@ def build_model(model_args: ModelArguments, tokenizer, block_size: int):
             )
     else:
         variant = get_variant(model_args.variant)
-        preset = load_preset(variant.name, model_args.size, model_args.presets_dir) if model_args.size else {}
-        fields_ = {**preset, **model_args.config_fields()}
-        config = variant.config(**{**fields_, **tokenizer_fields(tokenizer)})
-        attn = model_args.attn_implementation or ("sdpa" if variant.causal_lm_class._supports_sdpa else "eager")
-        model = variant.causal_lm_class._from_config(config, attn_implementation=attn)
+        fields_ = {**model_args.config_fields(), **tokenizer_fields(tokenizer)}
+        model = variant.build(model_args.size, attn_implementation=model_args.attn_implementation, **fields_)
     if block_size > model.config.max_position_embeddings:
         raise ValueError(
             f"data.block_size={block_size} is longer than the model's max_position_embeddings="
@@ -307,29 +285,29 @@ class ThroughputCallback(TrainerCallback):
             extra = {"tokens_per_second": round(tokens_per_second, 1)}
             if self.peak:
                 extra["mfu"] = round(tokens_per_second * self.flops_per_token / (self.peak * args.world_size), 4)
-            logs.update(extra)  # seen by the reporting callbacks that follow (ZooTrainer puts this one first)
+            logs.update(extra)  # seen by the reporting callbacks that follow (run_training puts this one first)
             state.log_history[-1].update(extra)  # the Trainer recorded a copy of `logs` just before
         self._start, self._step = time.perf_counter(), state.global_step
 
 
-class ZooTrainer(Trainer):
-    """`Trainer` whose checkpoints carry a model card and a completion marker written after everything else."""
+class CheckpointCallback(TrainerCallback):
+    """Checkpoints of a run: the model card every checkpoint's `save_pretrained` writes names the training details
+    and the step (`card_details` on the model), and a checkpoint counts as complete only once its marker file is
+    written, after every file of every process."""
 
-    def __init__(self, *args, card_details: dict | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.card_details = card_details or {}
-        # throughput first, so that TensorBoard and the progress printer get its figures in the same logs
-        callbacks = self.callback_handler.callbacks
-        callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))
+    def __init__(self, details: dict) -> None:
+        self.details = details
 
-    def _save_checkpoint(self, model, trial) -> None:
-        super()._save_checkpoint(model, trial)
-        self.accelerator.wait_for_everyone()  # every rank's part is on disk before the marker
-        if self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            details = {**self.card_details, "steps": self.state.global_step}
-            (folder / "README.md").write_text(model_card(self.model.config, details))
-            write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": self.state.global_step}))
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:  # read by save_pretrained if a checkpoint is written after this step
+            model.card_details = {**self.details, "steps": state.global_step}
+
+    def on_save(self, args, state, control, **kwargs):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank's part is on disk before the marker
+        if args.should_save:
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": state.global_step}))
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -368,15 +346,16 @@ def resolve_resume(training_args: TrainingArguments) -> str | None:
     return str(complete[-1])
 
 
-def save_final(trainer: ZooTrainer, summary: dict, details: dict) -> Path:
+def save_final(trainer: Trainer, summary: dict, details: dict) -> Path:
     """The trained model, tokenizer, card and training summary in `output_dir/final`, written beside and renamed
-    into place (a previous `final` is kept under another name)."""
+    into place (a previous `final` is kept under another name). `trainer.save_model` (not the model's own
+    `save_pretrained`), since sharded and distributed runs gather the weights there."""
     final = Path(trainer.args.output_dir) / "final"
+    trainer.model.card_details = details  # read by save_pretrained: the card names the run
 
     def write(staging: Path) -> None:
-        trainer.save_model(str(staging))  # model, config with auto_map, tokenizer (the processing class)
+        trainer.save_model(str(staging))  # model, config with auto_map, card, tokenizer (the processing class)
         if trainer.args.should_save:
-            (staging / "README.md").write_text(model_card(trainer.model.config, details))
             (staging / "training_summary.json").write_text(json.dumps(summary, indent=2))
 
     if trainer.args.should_save:
@@ -431,15 +410,20 @@ def run_training(
         "packing": data_args.packing,
         "unigram baseline perplexity": round(unigram, 2),
     }
-    trainer = ZooTrainer(
+    trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,
         eval_dataset=validation_blocks,
         processing_class=tokenizer,
-        callbacks=[ThroughputCallback(tokens_per_step, flops_per_token, peak_flops()), *callbacks],
-        card_details=details,
+        callbacks=[
+            ThroughputCallback(tokens_per_step, flops_per_token, peak_flops()),
+            CheckpointCallback(details),
+            *callbacks,
+        ],
     )
+    # throughput first, so that TensorBoard and the progress printer get its figures in the same logs
+    trainer.callback_handler.callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))
     first_step = int(Path(resume).name.split("-")[-1]) if resume else 0
     start = time.perf_counter()
     if training_args.max_steps != 0:  # uptraining with a fraction of 0: the converted model as it is
@@ -489,4 +473,4 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-__all__ = ["ModelArguments", "ThroughputCallback", "ZooTrainer", "load_recipe", "main", "run_training"]
+__all__ = ["CheckpointCallback", "ModelArguments", "ThroughputCallback", "load_recipe", "main", "run_training"]

@@ -19,32 +19,29 @@ VOCAB_SIZE = 97
 ATOL = 1e-5
 
 # Every registered variant needs an entry: its tiny config, the configs it must refuse (kwargs, field named in the
-# error), its naive reference attention and whether it returns attention weights. `test_every_variant_is_covered`
-# fails when a variant has none.
+# error) and its naive reference attention. `test_every_variant_is_covered` fails when a variant has none. Everything
+# else the suite needs to know (backends, whether it has attention weights and whether they sum to one, whether it
+# decodes from a state) it reads off the variant's attention class.
 CONFORMANCE = {
     "mha": {
         "config": dict(num_attention_heads=4),
         "invalid": [(dict(num_attention_heads=4, num_key_value_heads=2), "num_key_value_heads")],
         "reference": references.softmax_attention,
-        "attentions": True,
     },
     "gqa": {
         "config": dict(num_attention_heads=4, num_key_value_heads=2),
         "invalid": [(dict(num_attention_heads=6, num_key_value_heads=4, hidden_size=48), "num_key_value_heads")],
         "reference": references.softmax_attention,
-        "attentions": True,
     },
     "mqa": {
         "config": dict(num_attention_heads=4),
         "invalid": [(dict(num_attention_heads=4, num_key_value_heads=2), "num_key_value_heads")],
         "reference": references.softmax_attention,
-        "attentions": True,
     },
     "single_head": {
         "config": dict(),
         "invalid": [(dict(num_attention_heads=2), "num_attention_heads")],
         "reference": references.softmax_attention,
-        "attentions": True,
     },
 }
 
@@ -53,7 +50,6 @@ CONFORMANCE["sliding_window"] = {
     "config": dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
     "invalid": [(dict(sliding_window=0), "sliding_window"), (dict(sliding_window=2.5), "sliding_window")],
     "reference": references.softmax_attention,
-    "attentions": True,
 }
 
 CONFORMANCE["topk"] = {
@@ -65,13 +61,11 @@ CONFORMANCE["topk"] = {
         (dict(query_chunk_size=0), "query_chunk_size"),
     ],
     "reference": references.topk_attention,
-    "attentions": True,
 }
 CONFORMANCE["additive"] = {
     "config": dict(num_attention_heads=4, additive_dim=8, query_chunk_size=4),
     "invalid": [(dict(additive_dim=0), "additive_dim"), (dict(query_chunk_size=-1), "query_chunk_size")],
     "reference": references.additive_attention,
-    "attentions": True,
 }
 
 CONFORMANCE["linformer"] = {
@@ -83,26 +77,22 @@ CONFORMANCE["linformer"] = {
         (dict(linformer_sharing="columnwise"), "linformer_sharing"),
     ],
     "reference": references.linformer_attention,
-    "attentions": False,  # causal form: every step has its own compressed keys
 }
 CONFORMANCE["aft_full"] = {
     "config": dict(aft_bias_rank=4, query_chunk_size=4),
     "invalid": [(dict(aft_bias_rank=0), "aft_bias_rank"), (dict(num_attention_heads=4), "num_attention_heads")],
     "reference": references.aft_attention,
-    "attentions": False,  # AFT has no attention weights
 }
 CONFORMANCE["aft_local"] = {
     # a window of 3 positions inside chunks of 4: window keys carried across chunks and folded into the sums
     "config": dict(aft_bias_rank=4, aft_window=3, query_chunk_size=4),
     "invalid": [(dict(aft_window=0), "aft_window"), (dict(aft_window=65, max_position_embeddings=64), "aft_window")],
     "reference": references.aft_attention,
-    "attentions": False,
 }
 CONFORMANCE["aft_simple"] = {
     "config": dict(query_chunk_size=4),
     "invalid": [(dict(query_chunk_size=0), "query_chunk_size"), (dict(num_key_value_heads=2), "num_key_value_heads")],
     "reference": references.aft_attention,
-    "attentions": False,
 }
 
 CASES = [

@@ -30,7 +30,17 @@ def test_auto_map_and_files(tmp_path):
     }
     assert config["model_type"] == "zoo_gqa"
     code = sorted(path.name for path in tmp_path.glob("*.py"))
-    assert code == ["configuration_zoo.py", "mha.py", "modeling_zoo.py"]
+    assert code == [
+        "cache_zoo.py",
+        "cards_zoo.py",
+        "checkpoint_zoo.py",
+        "configuration_zoo.py",
+        "loss_zoo.py",
+        "masks_zoo.py",
+        "mha.py",
+        "modeling_zoo.py",
+        "positions_zoo.py",
+    ]
     for name in code:  # the copied code must not need the package itself
         assert "hf_attn_zoo" not in get_imports(tmp_path / name)
 

@@ -13,9 +13,7 @@ PROMPTS = ["hi", "a much longer prompt, longer than twice the window"]  # left p
 
 def key_value_variants() -> list[str]:
     """Variants whose cache holds keys and values (the others decode from a recurrent state)."""
-    from hf_attn_zoo.models.modeling_zoo import ZooModel
-
-    return [name for name, variant in VARIANTS.items() if variant.model_class.make_cache is ZooModel.make_cache]
+    return [name for name, variant in VARIANTS.items() if not variant.decodes_from_state]
 
 
 def prompts(tokenizer):

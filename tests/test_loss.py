@@ -5,7 +5,7 @@ import torch
 from torch.nn import functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_attn_zoo.models.modeling_zoo import causal_lm_loss_fused
+from hf_attn_zoo.models.loss_zoo import causal_lm_loss_fused
 
 from conftest import ATOL, left_padded_batch, tiny_model
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_attn_zoo.models.modeling_zoo import alibi_slopes, sinusoidal_embedding
+from hf_attn_zoo.models.positions_zoo import alibi_slopes, sinusoidal_embedding
 
 import references
 from conftest import ATOL, left_padded_batch, tiny_model

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from hf_attn_zoo.models import VARIANTS
-from hf_attn_zoo.training import COMPLETE_MARKER, build_model, load_preset, load_recipe, run_training
+from hf_attn_zoo.training import COMPLETE_MARKER, build_model, load_recipe, run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs" / "train").glob("*.yaml"))
@@ -45,7 +45,7 @@ def test_every_shipped_recipe_loads_and_builds_its_model(recipe, tmp_path):
 def test_presets_have_the_promised_sizes(name, size, low, high):
     vocab = {"tiny": 512, "small": 8192, "base": 32000}[size]
     variant = VARIANTS[name]
-    config = variant.config(**load_preset(name, size), vocab_size=vocab)
+    config = variant.config(size, vocab_size=vocab)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in variant.causal_lm_class(config).parameters())
     assert low <= parameters <= high, f"{name} {size}: {parameters / 1e6:.1f}M parameters"

@@ -15,7 +15,7 @@ from transformers import (
 
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import ATOL, CASES, CONFORMANCE, VOCAB_SIZE, left_padded_batch, tiny_config, tiny_model
+from conftest import ATOL, CASES, VOCAB_SIZE, left_padded_batch, tiny_config, tiny_model
 
 NAMES = list(VARIANTS)
 # variants that decode from running sums (Linformer, AFT): no rollback, so no assisted or prompt-lookup decoding
@@ -125,7 +125,7 @@ def test_output_flags_fall_back_to_the_config(name):
     assert len(by_config.hidden_states) == model.config.num_hidden_layers + 1
     for a, b in zip(by_config.hidden_states, by_keyword.hidden_states):
         assert torch.equal(a, b)
-    if CONFORMANCE[name]["attentions"]:
+    if VARIANTS[name].attention_class.returns_attention_weights(model.config):
         assert len(by_config.attentions) == model.config.num_hidden_layers
         for a, b in zip(by_config.attentions, by_keyword.attentions):
             assert torch.equal(a, b)

@@ -12,7 +12,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from ..models import ZooConfig, ZooForCausalLM, get_variant
+from ..models import VARIANTS, ZooConfig, ZooForCausalLM, get_variant
 
 # Fields with the same name and meaning on both sides.
 SHARED_FIELDS = (
@@ -39,7 +39,11 @@ SHARED_FIELDS = (
 )
 # What a zoo backbone must be for Llama to express it.
 LLAMA_BACKBONE = {"position_embedding_type": "rope", "norm_type": "rmsnorm", "mlp_type": "gated"}
-MHA_FAMILY = ("mha", "gqa", "mqa", "single_head")
+
+
+def in_mha_family(name_or_model_type: str) -> bool:
+    """Whether a variant shares Llama's attention (the `mha` family: MHA, GQA, MQA, single head)."""
+    return get_variant(name_or_model_type).family == "mha"
 
 
 def default_variant(num_attention_heads: int, num_key_value_heads: int) -> str:
@@ -69,8 +73,9 @@ def zoo_config_from_llama(llama_config: PreTrainedConfig, variant: str | None = 
     if llama_config.model_type == "qwen2":
         fields["attention_bias"] = True  # q/k/v biases; o_proj's is added as zeros
     variant = variant or default_variant(fields["num_attention_heads"], fields["num_key_value_heads"])
-    if variant not in MHA_FAMILY:
-        raise ValueError(f"variant={variant!r}: Llama weights load into the MHA family only, one of {MHA_FAMILY}.")
+    if not in_mha_family(variant):
+        family = [name for name in VARIANTS if in_mha_family(name)]
+        raise ValueError(f"variant={variant!r}: Llama weights load into the MHA family only, one of {family}.")
     # Llama has no residual dropout, and its weights are trained: keep GPT-2's init scaling out of it.
     return get_variant(variant).config(**fields, **LLAMA_BACKBONE, hidden_dropout=0.0, scale_residual_init=False)
 
@@ -98,7 +103,7 @@ def from_llama(
 def to_llama(model: ZooForCausalLM) -> LlamaForCausalLM:
     """The `LlamaForCausalLM` computing the same function as a zoo MHA-family model with a Llama backbone."""
     config = model.config
-    if config.model_type not in {get_variant(name).model_type for name in MHA_FAMILY}:
+    if not in_mha_family(config.model_type):
         raise ValueError(f"{config.model_type} is not an MHA-family model; Llama can only express zoo_mha/gqa/mqa.")
     for field, required in LLAMA_BACKBONE.items():
         if getattr(config, field) != required:
@@ -113,4 +118,4 @@ def to_llama(model: ZooForCausalLM) -> LlamaForCausalLM:
     return llama.to(model.dtype).train(model.training)
 
 
-__all__ = ["default_variant", "from_llama", "to_llama", "zoo_config_from_llama"]
+__all__ = ["default_variant", "from_llama", "in_mha_family", "to_llama", "zoo_config_from_llama"]

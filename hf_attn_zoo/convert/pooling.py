@@ -13,7 +13,7 @@ equals averaging the rotated keys.
 import torch
 
 from ..models import ZooForCausalLM, get_variant
-from .llama import MHA_FAMILY, default_variant, from_llama
+from .llama import default_variant, from_llama, in_mha_family
 
 METHODS = ("mean", "first", "random")
 
@@ -34,9 +34,10 @@ def mha_to_gqa(model, num_key_value_heads: int, method: str = "mean") -> ZooForC
     if not isinstance(model, ZooForCausalLM):
         model = from_llama(model)
     config = model.config
-    if get_variant(config.model_type).name not in MHA_FAMILY:
+    if not in_mha_family(config.model_type):
         raise ValueError(
-            f"{config.model_type} is not in the MHA family {MHA_FAMILY}: it has no key/value heads to pool."
+            f"{config.model_type} is not in the MHA family (mha, gqa, mqa, single_head): it has no key/value heads "
+            f"to pool."
         )
     heads, old_groups, groups = config.num_attention_heads, config.num_key_value_heads, num_key_value_heads
     if not isinstance(groups, int) or groups < 1 or old_groups % groups != 0:

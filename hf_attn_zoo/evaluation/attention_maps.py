@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..models import VARIANTS
 from .plotting import headless_pyplot, save_figure
 
 
@@ -34,10 +35,14 @@ def attention_map(model, tokenizer, text: str, layer: int = 0, head: int = 0) ->
     finally:
         model.set_attn_implementation(backend)
     if not attentions or attentions[layer] is None:
+        with_weights = [
+            name
+            for name, variant in VARIANTS.items()
+            if variant.attention_class.returns_attention_weights(variant.config())  # at its defaults
+        ]
         raise ValueError(
-            f"{config.model_type} computes no attention weights (its output is not a softmax-weighted average over "
-            f"tokens), so there is no map to draw; the softmax variants (mha, gqa, sliding_window, topk, additive) "
-            f"have one."
+            f"{config.model_type} computes no attention weights (its output is not a weighted average over tokens), "
+            f"so there is no map to draw; these variants have one: {', '.join(with_weights)}."
         )
     tokens = [tokenizer.decode([token]) for token in inputs.input_ids[0].tolist()]
     return tokens, attentions[layer][0, head].float().cpu()  # (B, H, T, T) -> (T, T)

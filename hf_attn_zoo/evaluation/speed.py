@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ..convert.llama import MHA_FAMILY, from_llama
+from ..convert.llama import from_llama, in_mha_family
 from .plotting import headless_pyplot, save_figure
 
 
@@ -147,8 +147,8 @@ def build_pair(setup: SpeedSetup):
     )
     torch.manual_seed(0)
     llama = LlamaForCausalLM(llama_config)
-    if setup.variant not in MHA_FAMILY:
-        raise ValueError(f"variant={setup.variant!r}: the Llama comparison covers the MHA family {MHA_FAMILY}.")
+    if not in_mha_family(setup.variant):
+        raise ValueError(f"variant={setup.variant!r}: the Llama comparison covers the MHA family (mha, gqa, mqa).")
     return llama, from_llama(llama, variant=setup.variant)
 
 
@@ -212,15 +212,12 @@ def llama_like(config) -> LlamaConfig:
 def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], None] = print) -> list[dict]:
     """Training tokens/s of each variant's preset and of the same-size Llama, alternating, in this process."""
     from ..models import VARIANTS, get_variant
-    from ..training import load_preset
 
     rows = []
     for name in setup.variants or list(VARIANTS):
-        variant = get_variant(name)
-        config = variant.config(**load_preset(name, setup.size), vocab_size=setup.vocab_size)
         torch.manual_seed(0)
-        attn = "sdpa" if variant.causal_lm_class._supports_sdpa else "eager"
-        zoo = variant.causal_lm_class._from_config(config, attn_implementation=attn)
+        zoo = get_variant(name).build(setup.size, vocab_size=setup.vocab_size)
+        config = zoo.config
         llama = LlamaForCausalLM(llama_like(config))
         measure = lambda model: training_tokens_per_second(  # noqa: E731
             model, setup.batch_size, setup.seq_len, setup.steps, setup.vocab_size

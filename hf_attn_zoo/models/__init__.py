@@ -1,11 +1,11 @@
 """The registry of zoo variants.
 
-Importing this package registers every variant with `AutoConfig`, `AutoModel`, `AutoModelForCausalLM` and the task
-heads (`AutoModelForSequenceClassification`, `AutoModelForTokenClassification`, `AutoModelForQuestionAnswering`). A
-variant joins with one `register_variant(name, ForCausalLMClass)` line below; its config class, base model class,
-heads, backends, position types and cache formula are read off the classes.
+A variant joins with one `register_variant(ForCausalLMClass)` line below. That registers its config, base model,
+causal LM and task heads with transformers' Auto classes and for `trust_remote_code` saving, and adds its
+`ZooVariant` record to `VARIANTS`: everything the package asks about a variant (presets, paper, backends, cache, LoRA
+targets, family, how to build it) is read off its classes there, so no other module keeps a table of variants.
 
-The modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
+The other modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
 else from the package; this file is the only one that is not copied.
 """
 
@@ -16,23 +16,27 @@ from transformers import AutoConfig, AutoModel
 
 from . import additive, aft, linformer, mha, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
-from .modeling_zoo import ZooForCausalLM, ZooModel, ZooPreTrainedModel
+from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooMLP, ZooModel, ZooPreTrainedModel
 
 
 @dataclass(frozen=True)
 class ZooVariant:
-    """One registered variant: a name and its causal-LM class; everything else is derived from the classes."""
+    """One registered variant: a name and its causal-LM class; every other fact is read off its classes."""
 
     name: str
     causal_lm_class: type[ZooForCausalLM]
 
     @property
-    def config_class(self) -> type[ZooConfig]:
-        return self.causal_lm_class.config_class
-
-    @property
     def model_class(self) -> type[ZooModel]:
         return self.causal_lm_class.base_model_class
+
+    @property
+    def config_class(self) -> type[ZooConfig]:
+        return self.model_class.config_class
+
+    @property
+    def attention_class(self) -> type[ZooAttention]:
+        return self.model_class.attention_class
 
     @property
     def heads(self) -> dict[str, type[ZooPreTrainedModel]]:
@@ -44,18 +48,26 @@ class ZooVariant:
         return self.config_class.model_type
 
     @property
+    def family(self) -> str:
+        """The variant family (`mha` for MHA, GQA, MQA and single head: Llama's layout, poolable key/value heads)."""
+        return self.attention_class.family
+
+    @property
     def position_types(self) -> tuple[str, ...]:
         return self.config_class.supported_position_types
 
     @property
     def backends(self) -> tuple[str, ...]:
-        cls = self.causal_lm_class
-        flags = (
-            ("sdpa", cls._supports_sdpa),
-            ("flash_attention_2", cls._supports_flash_attn),
-            ("flex_attention", cls._supports_flex_attn),
-        )
-        return ("eager",) + tuple(name for name, supported in flags if supported)
+        return self.attention_class.backends
+
+    @property
+    def default_backend(self) -> str:
+        """The backend a model is built with unless told otherwise: sdpa where the kernel runs through it."""
+        return "sdpa" if "sdpa" in self.backends else "eager"
+
+    @property
+    def decodes_from_state(self) -> bool:
+        return self.attention_class.decodes_from_state()
 
     @property
     def cache_per_token(self) -> str:
@@ -69,37 +81,65 @@ class ZooVariant:
     def paper(self) -> str:
         return self.config_class.paper
 
-    def config(self, **kwargs) -> ZooConfig:
-        return self.config_class(**kwargs)
+    @property
+    def arxiv(self) -> tuple[str, ...]:
+        return self.config_class.arxiv
+
+    @property
+    def presets(self) -> dict[str, dict]:
+        return {size: dict(fields) for size, fields in self.config_class.presets.items()}
+
+    @property
+    def lora_targets(self) -> list[str]:
+        """PEFT `target_modules`: the attention's projections and the MLP's (what `"all-linear"` picks too)."""
+        return [*self.attention_class.lora_targets, *ZooMLP.lora_targets]
+
+    def preset(self, size: str) -> dict:
+        return self.config_class.preset(size)
+
+    def config(self, size: str | None = None, **fields) -> ZooConfig:
+        """A config of this variant: preset `size` (tiny, small, base) if given, with `fields` on top."""
+        return self.config_class(**{**(self.preset(size) if size else {}), **fields})
+
+    def build(self, size: str | None = None, *, attn_implementation: str | None = None, **fields) -> ZooForCausalLM:
+        """A freshly initialised causal LM of `config(size, **fields)` on `default_backend` unless told otherwise."""
+        return self.causal_lm_class._from_config(
+            self.config(size, **fields), attn_implementation=attn_implementation or self.default_backend
+        )
 
 
 VARIANTS: dict[str, ZooVariant] = {}
 
 
-def register_variant(name: str, causal_lm_class: type[ZooForCausalLM]) -> ZooVariant:
-    """Add a variant to `VARIANTS` and to transformers' Auto classes."""
-    if name in VARIANTS:
-        raise ValueError(f"variant {name!r} is already registered")
-    variant = ZooVariant(name, causal_lm_class)
+def register_variant(causal_lm_class: type[ZooForCausalLM]) -> ZooVariant:
+    """Add a variant to `VARIANTS` under its model type without `zoo_` (`zoo_gqa` -> `gqa`), register its config,
+    base model, causal LM and task heads with transformers' Auto classes, and mark them for `trust_remote_code`
+    saving (`register_for_auto_class`: `save_pretrained` then copies their code beside the weights)."""
+    variant = ZooVariant(causal_lm_class.config_class.model_type.removeprefix("zoo_"), causal_lm_class)
+    if variant.name in VARIANTS:
+        raise ValueError(f"variant {variant.name!r} is already registered")
     AutoConfig.register(variant.model_type, variant.config_class, exist_ok=True)
+    variant.config_class.register_for_auto_class()
     AutoModel.register(variant.config_class, variant.model_class, exist_ok=True)
+    variant.model_class.register_for_auto_class("AutoModel")
     for auto_class, head in variant.heads.items():
         getattr(transformers, auto_class).register(variant.config_class, head, exist_ok=True)
-    VARIANTS[name] = variant
+        head.register_for_auto_class(auto_class)
+    VARIANTS[variant.name] = variant
     return variant
 
 
-register_variant("mha", mha.ZooMHAForCausalLM)
-register_variant("mqa", mha.ZooMQAForCausalLM)
-register_variant("gqa", mha.ZooGQAForCausalLM)
-register_variant("single_head", mha.ZooSingleHeadForCausalLM)
-register_variant("sliding_window", sliding_window.ZooSlidingWindowForCausalLM)
-register_variant("linformer", linformer.ZooLinformerForCausalLM)
-register_variant("aft_full", aft.ZooAFTFullForCausalLM)
-register_variant("aft_local", aft.ZooAFTLocalForCausalLM)
-register_variant("aft_simple", aft.ZooAFTSimpleForCausalLM)
-register_variant("topk", topk.ZooTopKForCausalLM)
-register_variant("additive", additive.ZooAdditiveForCausalLM)
+register_variant(mha.ZooMHAForCausalLM)
+register_variant(mha.ZooMQAForCausalLM)
+register_variant(mha.ZooGQAForCausalLM)
+register_variant(mha.ZooSingleHeadForCausalLM)
+register_variant(sliding_window.ZooSlidingWindowForCausalLM)
+register_variant(linformer.ZooLinformerForCausalLM)
+register_variant(aft.ZooAFTFullForCausalLM)
+register_variant(aft.ZooAFTLocalForCausalLM)
+register_variant(aft.ZooAFTSimpleForCausalLM)
+register_variant(topk.ZooTopKForCausalLM)
+register_variant(additive.ZooAdditiveForCausalLM)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

@@ -21,10 +21,10 @@ from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .configuration_zoo import ZooChunkedConfig, check_positive_int
+from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
+from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    BlockwiseCausalMask,
     ZooForCausalLM,
     ZooForQuestionAnswering,
     ZooForSequenceClassification,
@@ -39,6 +39,8 @@ class ZooAdditiveConfig(ZooChunkedConfig):
 
     model_type = "zoo_additive"
     paper = 'Bahdanau, Cho & Bengio 2015, "Neural Machine Translation by Jointly Learning to Align and Translate"'
+    arxiv = ("1409.0473",)
+    presets = sized(num_attention_heads=HEADS, additive_dim=(16, 32, 64))
     description = "Bahdanau scores vᵀtanh(W_q q + W_k k) per head, chunked over queries"
     cache_per_token = "L·G·(a + d_h)"
     supported_position_types = ("alibi", "sinusoidal", "learned", "none")
@@ -55,6 +57,9 @@ class ZooAdditiveConfig(ZooChunkedConfig):
 class ZooAdditiveAttention(ZooMultiHeadAttention):
     """Queries and keys projected to `additive_dim` per head; `score_vector` (H, additive_dim) reads the tanh out."""
 
+    family = "additive"
+    backends = ("eager",)  # its own kernel
+    compiles_fullgraph = False
     mask_type = "blockwise"
     sized_by: ClassVar[dict[str, str]] = {
         **ZooMultiHeadAttention.sized_by,
@@ -64,8 +69,12 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
     }
 
     def __init__(self, config: ZooAdditiveConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx, query_key_dim=config.additive_dim)
+        super().__init__(config, layer_idx)
         self.score_vector = nn.Parameter(torch.empty(self.num_heads, config.additive_dim))
+
+    @classmethod
+    def query_key_width(cls, config: ZooAdditiveConfig) -> int:
+        return config.additive_dim  # queries and keys live in the tanh layer's width
 
     def init_parameters(self, config: ZooAdditiveConfig) -> None:
         init.normal_(self.score_vector, mean=0.0, std=config.initializer_range)
@@ -97,7 +106,6 @@ class ZooAdditiveModel(ZooModel):
 
 
 class ZooAdditiveForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooAdditiveConfig
     base_model_class = ZooAdditiveModel
 
 
@@ -111,7 +119,3 @@ class ZooAdditiveForTokenClassification(ZooForTokenClassification):
 
 class ZooAdditiveForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooAdditiveModel
-
-
-ZooAdditiveConfig.register_for_auto_class()
-ZooAdditiveModel.register_for_auto_class("AutoModel")

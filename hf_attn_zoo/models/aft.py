@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from transformers.generation import GenerationMixin
 
-from .cache_zoo import ZooStateCache, state_layer
-from .configuration_zoo import ZooChunkedConfig, check_positive_int
+from .cache_zoo import ZooStateLayer, state_layer
+from .configuration_zoo import ZooChunkedConfig, check_positive_int, sized
+from .masks_zoo import TokenMask
 from .modeling_zoo import (
-    TokenMask,
     ZooAttention,
     ZooForCausalLM,
     ZooForQuestionAnswering,
@@ -56,6 +56,7 @@ class ZooAFTConfig(ZooChunkedConfig):
 
     supported_position_types = ("none", "sinusoidal", "learned")
     paper = 'Zhai et al. 2021, "An Attention Free Transformer"'
+    arxiv = ("2105.14103",)
     aft_mode: ClassVar[str] = ""
 
     num_attention_heads: int = 1
@@ -80,6 +81,7 @@ class ZooAFTFullConfig(ZooAFTConfig):
     description = "AFT-full (Zhai 2021): per-channel weights exp(k + w), w = u·vᵀ, causal"
     cache_per_token = "2·L·d"
     aft_mode = "full"
+    presets = sized(aft_bias_rank=(8, 64, 64))
 
     aft_bias_rank: int = 64
     query_chunk_size: int = 32
@@ -92,6 +94,7 @@ class ZooAFTLocalConfig(ZooAFTConfig):
     description = "AFT-local: the bias w within a window of s positions, 0 outside"
     cache_per_token = "0 past s tokens (state: 2·L·d·(s-1) + 3·L·d)"
     aft_mode = "local"
+    presets = sized(aft_bias_rank=(8, 64, 64), aft_window=(16, 64, 128))
 
     aft_bias_rank: int = 64
     aft_window: int = 32
@@ -270,8 +273,15 @@ class ZooAFTAttention(ZooAttention):
         "position_bias_v": "max_position_embeddings, aft_bias_rank",
     }
 
+    family = "aft"
+    cache_layer = ZooStateLayer  # running sums (and, for AFT-local/full, the keys still within reach)
     mask_type = "tokens"
-    reads_positions = True
+    reads_positions = True  # the pairwise bias w is indexed by true positions
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # q_proj is the gate sigmoid(q), k_proj AFT's keys
+
+    @classmethod
+    def returns_attention_weights(cls, config: ZooAFTConfig) -> bool:
+        return False  # no query-key scores: each channel is its own weighted average
 
     def __init__(self, config: ZooAFTConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -326,43 +336,13 @@ class ZooAFTAttention(ZooAttention):
         return self.o_proj(gate * averages.to(gate.dtype)), None
 
 
-class ZooAFTModel(ZooModel):
+class ZooAFTFullModel(ZooModel):
+    config_class = ZooAFTFullConfig
     attention_class = ZooAFTAttention
 
-    def make_cache(self) -> ZooStateCache:
-        return ZooStateCache(self.config.num_hidden_layers)
 
-
-class ZooAFTFullModel(ZooAFTModel):
-    config_class = ZooAFTFullConfig
-
-
-class ZooAFTLocalModel(ZooAFTModel):
-    config_class = ZooAFTLocalConfig
-
-
-class ZooAFTSimpleModel(ZooAFTModel):
-    config_class = ZooAFTSimpleConfig
-
-
-class ZooAFTForCausalLM(ZooForCausalLM):
-    # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt-lookup decoding
-    _is_stateful = True
-
-
-class ZooAFTFullForCausalLM(ZooAFTForCausalLM, GenerationMixin):
-    config_class = ZooAFTFullConfig
+class ZooAFTFullForCausalLM(ZooForCausalLM, GenerationMixin):
     base_model_class = ZooAFTFullModel
-
-
-class ZooAFTLocalForCausalLM(ZooAFTForCausalLM, GenerationMixin):
-    config_class = ZooAFTLocalConfig
-    base_model_class = ZooAFTLocalModel
-
-
-class ZooAFTSimpleForCausalLM(ZooAFTForCausalLM, GenerationMixin):
-    config_class = ZooAFTSimpleConfig
-    base_model_class = ZooAFTSimpleModel
 
 
 class ZooAFTFullForSequenceClassification(ZooForSequenceClassification):
@@ -377,6 +357,15 @@ class ZooAFTFullForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooAFTFullModel
 
 
+class ZooAFTLocalModel(ZooModel):
+    config_class = ZooAFTLocalConfig
+    attention_class = ZooAFTAttention
+
+
+class ZooAFTLocalForCausalLM(ZooForCausalLM, GenerationMixin):
+    base_model_class = ZooAFTLocalModel
+
+
 class ZooAFTLocalForSequenceClassification(ZooForSequenceClassification):
     base_model_class = ZooAFTLocalModel
 
@@ -389,6 +378,15 @@ class ZooAFTLocalForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooAFTLocalModel
 
 
+class ZooAFTSimpleModel(ZooModel):
+    config_class = ZooAFTSimpleConfig
+    attention_class = ZooAFTAttention
+
+
+class ZooAFTSimpleForCausalLM(ZooForCausalLM, GenerationMixin):
+    base_model_class = ZooAFTSimpleModel
+
+
 class ZooAFTSimpleForSequenceClassification(ZooForSequenceClassification):
     base_model_class = ZooAFTSimpleModel
 
@@ -399,9 +397,3 @@ class ZooAFTSimpleForTokenClassification(ZooForTokenClassification):
 
 class ZooAFTSimpleForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooAFTSimpleModel
-
-
-for _config_class in (ZooAFTFullConfig, ZooAFTLocalConfig, ZooAFTSimpleConfig):
-    _config_class.register_for_auto_class()
-for _model_class in (ZooAFTFullModel, ZooAFTLocalModel, ZooAFTSimpleModel):
-    _model_class.register_for_auto_class("AutoModel")

@@ -83,10 +83,10 @@ class ZooStateLayer(CacheLayerMixin):
 
 
 class ZooStateCache(Cache):
-    """A cache of `ZooStateLayer`s, one per decoder layer."""
+    """A cache of state layers (`ZooStateLayer`, or the variant's subclass of it), one per decoder layer."""
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[ZooStateLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, layer_class: type[ZooStateLayer] = ZooStateLayer) -> None:
+        super().__init__(layers=[layer_class() for _ in range(num_layers)])
 
 
 def state_layer(past_key_values: Cache | None, layer_idx: int, model_type: str) -> ZooStateLayer | None:

@@ -7,7 +7,9 @@ the choice of backbone pieces (`position_embedding_type`, `norm_type`, `mlp_type
 and the fix, at construction, at model construction and at save time.
 
 Each variant subclasses `ZooConfig` with its own `model_type`, defaults and extra checks (`_check_variant`), and
-declares which position types it supports (`supported_position_types`).
+declares what it is: the position types it supports, its paper and arXiv ids, a one-line description, its cache
+formula and its presets (`tiny` for tests and smoke runs, `small` at about 10-20M parameters for CPUs, `base` at
+about 125M for GPUs: the backbone sizes below with the variant's own fields on top).
 
 This module is copied next to every saved checkpoint (see `save_pretrained`), so it imports nothing from the package.
 """
@@ -21,6 +23,23 @@ from transformers.activations import ACT2FN
 POSITION_EMBEDDING_TYPES = ("rope", "alibi", "sinusoidal", "learned", "none")
 NORM_TYPES = ("rmsnorm", "layernorm")
 MLP_TYPES = ("gated", "plain")
+
+# The backbone of each preset size; a variant's presets add its own fields (`sized`).
+BACKBONE_SIZES = {
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 256},
+    "small": {"hidden_size": 384, "num_hidden_layers": 6, "max_position_embeddings": 1024},
+    "base": {"hidden_size": 768, "num_hidden_layers": 12, "intermediate_size": 3072, "max_position_embeddings": 2048},
+}
+HEADS = (4, 6, 12)  # query heads of the tiny, small and base presets of the variants that have heads
+
+
+def sized(**fields: tuple) -> dict[str, dict]:
+    """Presets: each backbone size of `BACKBONE_SIZES` with the variant's own fields, given as
+    `field=(tiny, small, base)`."""
+    return {
+        size: {**backbone, **{field: values[i] for field, values in fields.items()}}
+        for i, (size, backbone) in enumerate(BACKBONE_SIZES.items())
+    }
 
 
 class ZooConfig(PreTrainedConfig):
@@ -63,11 +82,13 @@ class ZooConfig(PreTrainedConfig):
     model_type = "zoo"
     keys_to_ignore_at_inference = ["past_key_values"]
 
-    # What a variant declares about itself; `hf-attn-zoo list` prints these.
+    # What a variant declares about itself (`hf-attn-zoo list`, model cards and `ZooVariant` read these).
     supported_position_types: ClassVar[tuple[str, ...]] = POSITION_EMBEDDING_TYPES
     cache_per_token: ClassVar[str] = ""
     description: ClassVar[str] = ""
     paper: ClassVar[str] = ""
+    arxiv: ClassVar[tuple[str, ...]] = ()  # the paper's arXiv ids, for the Hub's paper links
+    presets: ClassVar[dict[str, dict]] = sized()
 
     vocab_size: int = 32000
     hidden_size: int = 512
@@ -112,6 +133,20 @@ class ZooConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         super().__post_init__(**kwargs)
         self.validate()
+
+    @property
+    def variant_name(self) -> str:
+        """The registry name of the variant (`gqa` for `zoo_gqa`)."""
+        return self.model_type.removeprefix("zoo_")
+
+    @classmethod
+    def preset(cls, size: str) -> dict:
+        """The config fields of preset `size` (a copy, to be updated freely)."""
+        if size not in cls.presets:
+            raise ValueError(
+                f"size={size!r} is not a preset of {cls.model_type}; choose one of {sorted(cls.presets)}."
+            )
+        return dict(cls.presets[size])
 
     def validate(self) -> None:
         """Run transformers' own checks, then the zoo's; raises `ValueError` naming the field and the fix."""

@@ -30,16 +30,17 @@ from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
 
-from .cache_zoo import ZooStateCache, state_layer
-from .configuration_zoo import ZooChunkedConfig, check_choice, check_positive_int
+from .cache_zoo import ZooStateLayer, state_layer
+from .configuration_zoo import HEADS, ZooChunkedConfig, check_choice, check_positive_int, sized
+from .masks_zoo import TokenMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    TokenMask,
     ZooForCausalLM,
     ZooForQuestionAnswering,
     ZooForSequenceClassification,
     ZooForTokenClassification,
     ZooModel,
+    ZooModule,
 )
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
@@ -51,6 +52,8 @@ class ZooLinformerConfig(ZooChunkedConfig):
 
     model_type = "zoo_linformer"
     paper = 'Wang et al. 2020, "Linformer: Self-Attention with Linear Complexity"'
+    arxiv = ("2006.04768",)
+    presets = sized(num_attention_heads=HEADS, num_key_value_heads=(2, 2, 4), linformer_k=(16, 64, 128))
     description = "keys/values projected to k slots along the sequence (Wang 2020), causal by cumulative sums"
     cache_per_token = "0 (state: 2·L·G·k·d_h)"
     supported_position_types = ("rope", "sinusoidal", "learned", "none")
@@ -69,7 +72,7 @@ class ZooLinformerConfig(ZooChunkedConfig):
             raise ValueError(f"is_causal must be True (causal form) or False (the paper's), got {self.is_causal!r}.")
 
 
-class LinformerProjection(nn.Module):
+class LinformerProjection(ZooModule):
     """E (`key_projection`) and F (`value_projection`, absent when E = F), each `(P, k, n)`: P key/value heads when
     every head has its own, else 1."""
 
@@ -105,8 +108,12 @@ class LinformerProjection(nn.Module):
 class ZooLinformerAttention(ZooMultiHeadAttention):
     """GQA projections (and RoPE); keys and values compressed into `linformer_k` slots."""
 
+    family = "linformer"
+    backends = ("eager",)  # its own kernel
+    compiles_fullgraph = False
+    cache_layer = ZooStateLayer  # the compressed keys and values (K̄, V̄): nothing grows with the length
     mask_type = "tokens"
-    reads_positions = True
+    reads_positions = True  # E and F are indexed by true positions
 
     def __init__(self, config: ZooLinformerConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -117,6 +124,19 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
             else LinformerProjection(config, per_head=sharing == "none", separate_values=sharing != "key_value")
         )
         self.borrowed_projection: tuple[LinformerProjection, ...] = ()  # layerwise: the model's, kept out of the tree
+
+    @classmethod
+    def returns_attention_weights(cls, config: ZooLinformerConfig) -> bool:
+        return not config.is_causal  # the causal form has new compressed keys at every step: no single map
+
+    @classmethod
+    def share_across_layers(cls, model: ZooModel) -> None:
+        if model.config.linformer_sharing != "layerwise":
+            return
+        # one E = F for every layer and head: it lives on the model, and each layer borrows it
+        model.shared_projection = LinformerProjection(model.config, per_head=False, separate_values=False)
+        for layer in model.layers:
+            layer.self_attn.borrowed_projection = (model.shared_projection,)
 
     @property
     def linformer_projection(self) -> LinformerProjection:
@@ -247,23 +267,9 @@ class ZooLinformerModel(ZooModel):
     config_class = ZooLinformerConfig
     attention_class = ZooLinformerAttention
 
-    def share_across_layers(self) -> None:
-        if self.config.linformer_sharing != "layerwise":
-            return
-        # one E = F for every layer and head: it lives here, and each layer borrows it
-        self.shared_projection = LinformerProjection(self.config, per_head=False, separate_values=False)
-        for layer in self.layers:
-            layer.self_attn.borrowed_projection = (self.shared_projection,)
-
-    def make_cache(self) -> ZooStateCache:
-        return ZooStateCache(self.config.num_hidden_layers)
-
 
 class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooLinformerConfig
     base_model_class = ZooLinformerModel
-    # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt-lookup decoding
-    _is_stateful = True
 
     def generate(self, *args, **kwargs):
         if not self.config.is_causal:
@@ -284,7 +290,3 @@ class ZooLinformerForTokenClassification(ZooForTokenClassification):
 
 class ZooLinformerForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooLinformerModel
-
-
-ZooLinformerConfig.register_for_auto_class()
-ZooLinformerModel.register_for_auto_class("AutoModel")

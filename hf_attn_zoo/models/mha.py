@@ -27,17 +27,17 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .configuration_zoo import ZooConfig
+from .configuration_zoo import HEADS, ZooConfig, sized
 from .modeling_zoo import (
+    BACKENDS,
     ZooAttention,
     ZooForCausalLM,
     ZooForQuestionAnswering,
     ZooForSequenceClassification,
     ZooForTokenClassification,
     ZooModel,
-    ZooSoftmaxKernels,
-    apply_rotary,
 )
+from .positions_zoo import apply_rotary
 
 
 class ZooMultiHeadAttention(ZooAttention):
@@ -45,9 +45,13 @@ class ZooMultiHeadAttention(ZooAttention):
 
     `forward` projects, applies RoPE, writes the cache and calls `attend`, the kernel: here softmax attention through
     transformers' `ALL_ATTENTION_FUNCTIONS`. Variants with other kernels (sliding window, top-k, additive) subclass
-    this and override `attend` only; `query_key_dim` lets queries and keys live in a width other than `head_dim`.
+    this and override `attend` (and the protocol answers that change); queries and keys are
+    `query_key_width(config)` wide, values `head_dim`.
     """
 
+    family = "mha"
+    backends = BACKENDS
+    compiles_fullgraph = True  # key/value caches written in place and masks of fixed shape
     sized_by: ClassVar[dict[str, str]] = {
         "q_proj": "num_attention_heads, head_dim, hidden_size",
         "k_proj": "num_key_value_heads, head_dim, hidden_size",
@@ -55,10 +59,10 @@ class ZooMultiHeadAttention(ZooAttention):
         "o_proj": "num_attention_heads, head_dim, hidden_size",
     }
 
-    def __init__(self, config: ZooConfig, layer_idx: int, query_key_dim: int | None = None) -> None:
+    def __init__(self, config: ZooConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.head_dim = config.head_dim
-        self.query_key_dim = query_key_dim or self.head_dim
+        self.query_key_dim = self.query_key_width(config)
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # read by the attention kernels
@@ -132,6 +136,8 @@ class ZooMHAConfig(ZooConfig):
 
     model_type = "zoo_mha"
     paper = 'Vaswani et al. 2017, "Attention Is All You Need"'
+    arxiv = ("1706.03762",)
+    presets = sized(num_attention_heads=HEADS)
     description = "scaled dot-product, one KV head per query head"
     cache_per_token = "2·L·H·d_h"
 
@@ -151,6 +157,8 @@ class ZooGQAConfig(ZooConfig):
     paper = (
         'Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints"'
     )
+    arxiv = ("2305.13245",)
+    presets = sized(num_attention_heads=HEADS, num_key_value_heads=(2, 2, 4))
     description = "scaled dot-product, G KV heads shared by contiguous groups of H/G query heads"
     cache_per_token = "2·L·G·d_h"
 
@@ -162,6 +170,8 @@ class ZooMQAConfig(ZooConfig):
 
     model_type = "zoo_mqa"
     paper = 'Shazeer 2019, "Fast Transformer Decoding: One Write-Head is All You Need"'
+    arxiv = ("1911.02150",)
+    presets = sized(num_attention_heads=HEADS)
     description = "scaled dot-product, one KV head shared by all query heads"
     cache_per_token = "2·L·d_h"
 
@@ -180,6 +190,7 @@ class ZooSingleHeadConfig(ZooConfig):
 
     model_type = "zoo_single_head"
     paper = 'Vaswani et al. 2017, "Attention Is All You Need" (a single head)'
+    arxiv = ("1706.03762",)
     description = "scaled dot-product, one head of width hidden_size"
     cache_per_token = "2·L·d"
 
@@ -194,7 +205,7 @@ class ZooSingleHeadConfig(ZooConfig):
             )
 
 
-class ZooMHAFamilyModel(ZooSoftmaxKernels, ZooModel):
+class ZooMHAFamilyModel(ZooModel):
     attention_class = ZooMultiHeadAttention
 
 
@@ -202,36 +213,8 @@ class ZooMHAModel(ZooMHAFamilyModel):
     config_class = ZooMHAConfig
 
 
-class ZooGQAModel(ZooMHAFamilyModel):
-    config_class = ZooGQAConfig
-
-
-class ZooMQAModel(ZooMHAFamilyModel):
-    config_class = ZooMQAConfig
-
-
-class ZooSingleHeadModel(ZooMHAFamilyModel):
-    config_class = ZooSingleHeadConfig
-
-
 class ZooMHAForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooMHAConfig
     base_model_class = ZooMHAModel
-
-
-class ZooGQAForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooGQAConfig
-    base_model_class = ZooGQAModel
-
-
-class ZooMQAForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooMQAConfig
-    base_model_class = ZooMQAModel
-
-
-class ZooSingleHeadForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooSingleHeadConfig
-    base_model_class = ZooSingleHeadModel
 
 
 class ZooMHAForSequenceClassification(ZooForSequenceClassification):
@@ -246,6 +229,14 @@ class ZooMHAForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooMHAModel
 
 
+class ZooGQAModel(ZooMHAFamilyModel):
+    config_class = ZooGQAConfig
+
+
+class ZooGQAForCausalLM(ZooForCausalLM, GenerationMixin):
+    base_model_class = ZooGQAModel
+
+
 class ZooGQAForSequenceClassification(ZooForSequenceClassification):
     base_model_class = ZooGQAModel
 
@@ -256,6 +247,14 @@ class ZooGQAForTokenClassification(ZooForTokenClassification):
 
 class ZooGQAForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooGQAModel
+
+
+class ZooMQAModel(ZooMHAFamilyModel):
+    config_class = ZooMQAConfig
+
+
+class ZooMQAForCausalLM(ZooForCausalLM, GenerationMixin):
+    base_model_class = ZooMQAModel
 
 
 class ZooMQAForSequenceClassification(ZooForSequenceClassification):
@@ -270,6 +269,14 @@ class ZooMQAForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooMQAModel
 
 
+class ZooSingleHeadModel(ZooMHAFamilyModel):
+    config_class = ZooSingleHeadConfig
+
+
+class ZooSingleHeadForCausalLM(ZooForCausalLM, GenerationMixin):
+    base_model_class = ZooSingleHeadModel
+
+
 class ZooSingleHeadForSequenceClassification(ZooForSequenceClassification):
     base_model_class = ZooSingleHeadModel
 
@@ -280,9 +287,3 @@ class ZooSingleHeadForTokenClassification(ZooForTokenClassification):
 
 class ZooSingleHeadForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooSingleHeadModel
-
-
-for _config_class in (ZooMHAConfig, ZooGQAConfig, ZooMQAConfig, ZooSingleHeadConfig):
-    _config_class.register_for_auto_class()
-for _model_class in (ZooMHAModel, ZooGQAModel, ZooMQAModel, ZooSingleHeadModel):
-    _model_class.register_for_auto_class("AutoModel")

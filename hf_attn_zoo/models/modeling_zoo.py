@@ -1,29 +1,27 @@
 """The decoder backbone every zoo variant shares, written once.
 
-A variant contributes one thing: its attention module (a `ZooAttention` subclass), set as `attention_class` on its
-`ZooModel` subclass. Everything else lives here: token and position embeddings, pre-norm decoder layers (RMSNorm or
-LayerNorm, gated or plain MLP, residual dropout), the final norm, the LM head, weight initialisation, the causal mask
-and the cache. The module layout and parameter names are Llama's (`model.embed_tokens`,
-`model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `lm_head`), so a Llama state dict loads
-unchanged into the MHA family.
+A variant contributes its attention module, a `ZooAttention` subclass; everything else is here, in the order of a
+forward pass: norms, the MLP, the attention protocol, the pre-norm decoder layer, the shared model class
+(initialisation, loading, saving), `ZooModel` (embeddings, positions, masks, layers, final norm), and the heads built
+on it (causal LM, sequence and token classification, question answering). Module layout and parameter names are
+Llama's (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `lm_head`), so
+a Llama state dict loads unchanged into the MHA family.
 
-Positions (`config.position_embedding_type`) are a backbone choice:
-- `rope`: rotary embeddings, computed here from `position_ids` and applied by the attention to queries and keys.
-- `alibi`: a per-head linear bias on the attention scores, folded into the additive attention mask built here.
-- `sinusoidal` / `learned`: absolute embeddings of `position_ids` added to the token embeddings.
-- `none`: nothing; the causal mask alone carries order.
-ALiBi, absolute positions and kernels that index parameters by position (Linformer, AFT) read the true positions
-from `position_ids`. When a 2D `attention_mask` is given without `position_ids`, positions are counted over the
-unmasked tokens, so a left-padded row sees the same positions as the row alone (RoPE alone is relative, so it keeps
-Llama's plain `arange`).
+The backbone talks to a variant only through the protocol declared on `ZooAttention`: its backends, how it decodes
+(a key/value cache or a state layer), its mask kind, its rotary width, whether it reads positions, which config
+fields size its tensors, its LoRA targets, whether it has attention weights, parameters shared by all layers. Every
+answer has a default; a variant overrides what differs. The `_supports_*` flags transformers reads, `_is_stateful`,
+the cache `forward` starts, the mask each layer receives and the width of RoPE all follow from it.
 
-This module is copied next to every saved checkpoint, so it only imports transformers, torch and flat siblings.
+Positions (`positions_zoo.py`), masks (`masks_zoo.py`), the fused loss (`loss_zoo.py`), state caches
+(`cache_zoo.py`), model cards (`cards_zoo.py`) and checkpoint metadata (`checkpoint_zoo.py`) are flat siblings. This
+module is copied next to every saved checkpoint with them (remote code), so it imports only torch, transformers and
+those siblings.
 """
 
 import functools
 import inspect
 import math
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -33,7 +31,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, find_packed_sequence_indices
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -42,19 +40,20 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .cache_zoo import ZooStateCache
+from .cards_zoo import write_card
+from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
 from .configuration_zoo import ZooConfig
+from .loss_zoo import causal_lm_loss_fused
+from .masks_zoo import attention_mask_for
+from .positions_zoo import ZooRotaryEmbedding, default_position_ids, sinusoidal_embedding
 
 __all__ = [
-    "BlockwiseCausalMask",
-    "CheckpointMismatchError",
-    "TokenMask",
-    "weighted_values",
     "ZooAttention",
     "ZooDecoderLayer",
     "ZooForCausalLM",
@@ -64,13 +63,13 @@ __all__ = [
     "ZooHead",
     "ZooMLP",
     "ZooModel",
+    "ZooModule",
     "ZooPreTrainedModel",
     "ZooRMSNorm",
-    "ZooSoftmaxKernels",
-    "ZooRotaryEmbedding",
-    "alibi_slopes",
-    "apply_rotary",
+    "weighted_values",
 ]
+
+BACKENDS = ("eager", "sdpa", "flash_attention_2", "flex_attention")  # transformers' `ALL_ATTENTION_FUNCTIONS`
 
 
 class ZooRMSNorm(nn.Module):
@@ -94,16 +93,25 @@ def make_norm(config: ZooConfig) -> nn.Module:
     return ZooRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class ZooMLP(nn.Module):
+class ZooModule(nn.Module):
+    """A zoo module with parameters that are not Linear, Embedding or norm weights (score vectors, Linformer's E and
+    F): `_init_weights` calls its `init_parameters`. Every module also names the config fields that size its direct
+    children's tensors (`sized_by`), so that a checkpoint that does not fit its config is reported with the fields
+    to fix."""
+
+    sized_by: ClassVar[dict[str, str]] = {}
+
+    def init_parameters(self, config: ZooConfig) -> None:
+        """Initialise the parameters transformers' `_init_weights` does not know; nothing by default."""
+
+
+class ZooMLP(ZooModule):
     """Position-wise feed-forward: gated `down(act(gate(x)) * up(x))` (Llama's SwiGLU) or plain `down(act(up(x)))`."""
 
-    # Every module of the model names the config fields that size its direct children's tensors, so that a
-    # checkpoint that does not fit its config is reported with the fields to fix (see `sizing_fields`).
-    sized_by: ClassVar[dict[str, str]] = {
-        "gate_proj": "intermediate_size, hidden_size",
-        "up_proj": "intermediate_size, hidden_size",
-        "down_proj": "intermediate_size, hidden_size",
-    }
+    sized_by: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("gate_proj", "up_proj", "down_proj"), "intermediate_size, hidden_size"
+    )
+    lora_targets: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config: ZooConfig) -> None:
         super().__init__()
@@ -119,34 +127,89 @@ class ZooMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class ZooAttention(nn.Module):
-    """Base of every variant's token mixer.
+class ZooAttention(ZooModule):
+    """Base of every variant's token mixer, and the protocol through which the backbone asks a variant what it needs.
 
     Contract: `forward(hidden_states, attention_mask, position_embeddings, past_key_values, **kwargs)` maps
     `(B, T, hidden_size)` to `(output (B, T, hidden_size), attention weights (B, H, T, S) or None)`. It writes its
-    cache with `past_key_values.update(..., self.layer_idx)` (or a state layer of its own) and ends with `o_proj`,
-    the projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is the
-    RoPE `(cos, signed_sin)` pair for `apply_rotary` when `position_embedding_type == "rope"`, else None; ALiBi
-    arrives inside `attention_mask` as an additive float bias; `position_ids` (true positions) come in `kwargs`.
+    cache with `past_key_values.update(..., self.layer_idx)` (or into its state layer) and ends with `o_proj`, the
+    projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is the RoPE
+    `(cos, signed_sin)` pair for `apply_rotary` at width `rotary_dim(config)` when `position_embedding_type ==
+    "rope"`, else None; ALiBi arrives inside `attention_mask`; `position_ids` (true positions) and the resolved
+    `output_attentions` come in `kwargs`.
     """
 
-    o_proj: nn.Linear
-    sized_by: ClassVar[dict[str, str]] = {}  # the variant's tensors and the config fields that size them
-    # What the backbone builds for `attention_mask`:
-    # "dense": transformers' causal mask for the backend (4D; ALiBi folded in as an additive float mask);
-    # "blockwise": a `BlockwiseCausalMask`, materialised a block of query rows at a time by chunked kernels;
-    # "tokens": a `TokenMask` (which new tokens are real, which document of a packed row each belongs to), for
-    #   variants that keep sums or states instead of scores.
-    # Each of them keeps the documents of a packed row apart, as transformers' own masks do.
-    mask_type = "dense"
+    # The variant's family: the module it lives in (the MHA family shares Llama's layout and converts to and from it)
+    family: ClassVar[str] = ""
+    # Backends of transformers' `ALL_ATTENTION_FUNCTIONS` the kernel runs through; kernels of their own say "eager"
+    backends: ClassVar[tuple[str, ...]] = ("eager",)
+    # A static-cache decode step compiles to one graph (caches written in place, masks of fixed shape)
+    compiles_fullgraph: ClassVar[bool] = False
+    # None: keys and values in transformers' DynamicCache; else the class of the state layer it decodes from
+    cache_layer: ClassVar[type | None] = None
+    # What the backbone builds for `attention_mask` (`masks_zoo`): "dense", "blockwise" or "tokens"
+    mask_type: ClassVar[str] = "dense"
+    dense_mask_function = staticmethod(create_causal_mask)  # transformers' builder for the dense kind
     # True when the kernel indexes parameters by position (Linformer's E, AFT's bias): positions are then always
     # counted over real tokens, as for absolute position embeddings
-    reads_positions = False
+    reads_positions: ClassVar[bool] = False
+    # The outputs it returns with `output_attentions`: softmax weights whose rows sum to one, unless declared
+    attention_weights_sum_to_one: ClassVar[bool] = True
+    lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __init__(self, config: ZooConfig, layer_idx: int) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+
+    @classmethod
+    def decodes_from_state(cls) -> bool:
+        return cls.cache_layer is not None
+
+    @classmethod
+    def mask_kind(cls, config: ZooConfig, query_length: int, output_attentions: bool) -> str:
+        """The mask kind for a forward of `query_length` new tokens; `mask_type` unless the kernel switches."""
+        return cls.mask_type
+
+    @classmethod
+    def window(cls, config: ZooConfig) -> int | None:
+        """How many keys a query sees at most (itself included) in a blockwise mask; None: all earlier ones."""
+        return None
+
+    @classmethod
+    def query_key_width(cls, config: ZooConfig) -> int:
+        """Width of a query or key head (that of a value head is `head_dim`)."""
+        return config.head_dim
+
+    @classmethod
+    def rotary_dim(cls, config: ZooConfig) -> int:
+        """Width RoPE rotates: the query/key width by default."""
+        return cls.query_key_width(config)
+
+    @classmethod
+    def returns_attention_weights(cls, config: ZooConfig) -> bool:
+        """Whether `output_attentions` gives weights over the tokens (AFT has none; causal Linformer's change at
+        every step); when not, the attentions returned are None."""
+        return True
+
+    @classmethod
+    def share_across_layers(cls, model: "ZooModel") -> None:
+        """Parameters all layers share (Linformer's layerwise projection): built on `model` before initialisation
+        and handed to its layers; none by default."""
+
+
+def weighted_values(
+    outputs: list[torch.Tensor], weights: list[torch.Tensor], value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The result of a chunked kernel: `(B, T, H, d)` and the attention weights `(B, H, T, S)` or None.
+
+    Without weights the chunks' outputs `(B, H, C, d)` are joined. With weights (`output_attentions`) the chunks
+    gave their weight rows instead, and the output is computed from the joined matrix, so the weights returned are
+    the ones the output depends on (their gradients exist, as for transformers' eager attention)."""
+    if weights:
+        weights = torch.cat(weights, dim=2)  # (B, H, T, S)
+        return torch.matmul(weights, value).transpose(1, 2), weights
+    return torch.cat(outputs, dim=2).transpose(1, 2), None  # (B, H, T, d) -> (B, T, H, d)
 
 
 class ZooDecoderLayer(GradientCheckpointingLayer):
@@ -165,7 +228,7 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask=None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -184,151 +247,6 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout else x
 
 
-class ZooRotaryEmbedding(LlamaRotaryEmbedding):
-    """Llama's rotary embedding (so every transformers `rope_type` works), returning `(cos, signed_sin)` where
-    `signed_sin` carries the sign of `rotate_half` (-sin on the first half of the channels, +sin on the second).
-    Computed once per forward and shared by all layers."""
-
-    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = super().forward(x, position_ids)  # (B, T, d_h) each; both halves hold the same frequencies
-        half = sin.shape[-1] // 2
-        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rotary(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE with transformers' pairing (channel i rotates with channel i + d_h/2) on `(B, heads, T, d_h)`:
-    `x * cos + rotate_half(x) * sin`, where `rotate_half(x) * sin == roll(x, d_h/2) * signed_sin`. Three ops per
-    tensor instead of Llama's five: half the time of `apply_rotary_pos_emb` on CPU."""
-    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # broadcast over heads
-    half = query.shape[-1] // 2
-    query = torch.addcmul(query * cos, query.roll(half, dims=-1), signed_sin)
-    key = torch.addcmul(key * cos, key.roll(half, dims=-1), signed_sin)
-    return query, key
-
-
-def alibi_slopes(num_heads: int) -> list[float]:
-    """ALiBi head slopes (Press et al. 2022): the geometric sequence 2^(-8/n), 2^(-16/n), ... for n heads.
-
-    For a head count that is not a power of two, the paper takes the slopes of the closest smaller power of two and
-    fills the remaining heads with every other slope of the next power of two.
-    """
-
-    def power_of_two_slopes(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    if math.log2(num_heads).is_integer():
-        return power_of_two_slopes(num_heads)
-    closest = 2 ** math.floor(math.log2(num_heads))
-    return power_of_two_slopes(closest) + power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
-
-
-def sinusoidal_embedding(position_ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Vaswani et al. (2017) positions: sin on even channels, cos on odd ones. `(B, T)` -> `(B, T, dim)`."""
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim))
-    angles = position_ids[..., None].float() * inv_freq  # (B, T, dim/2)
-    # stack -> (B, T, dim/2, 2) -> flatten: channel 2i is sin, 2i+1 is cos of the same frequency
-    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2).to(dtype)
-
-
-def key_positions(query_positions: torch.LongTensor, past_length: int) -> torch.LongTensor:
-    """True positions of all visible keys: the `past_length` cached keys continue contiguously before the first
-    query, the new keys are the queries themselves. `(B, T)` -> `(B, past_length + T)`."""
-    past = query_positions[:, :1] + torch.arange(-past_length, 0, device=query_positions.device)  # (B, P)
-    return torch.cat((past, query_positions), dim=-1)
-
-
-@dataclass
-class BlockwiseCausalMask:
-    """A causal attention mask (optionally windowed) with key padding and ALiBi, materialised one rectangle of
-    (query rows, key columns) at a time, so that kernels which walk over query chunks never hold the (T, S) matrix.
-
-    Query i (0-based among the T new tokens) is key `past_length + i` of the S visible keys.
-    """
-
-    key_length: int  # S
-    past_length: int  # keys before the first query
-    key_padding: torch.Tensor | None = None  # (B, S) bool, True for real tokens; None when nothing is padded
-    sliding_window: int | None = None  # keys j with i - window < j <= i only
-    alibi_slopes: torch.Tensor | None = None  # (H,)
-    query_positions: torch.LongTensor | None = None  # (B, T) true positions, for ALiBi
-    key_positions: torch.LongTensor | None = None  # (B, S)
-    documents: torch.LongTensor | None = None  # (B, S) document of each key in a packed row; None: one per row
-
-    def allowed(
-        self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None, fill_empty_rows: bool = True
-    ) -> torch.Tensor:
-        """Boolean `(B or 1, 1, q_end - q_start, k_end - k_start)`, True where query may attend to key. A row with no
-        allowed key (a padding query) allows all of them unless `fill_empty_rows=False`, so that kernels stay
-        finite; its output is never used."""
-        k_end = self.key_length if k_end is None else k_end
-        device = self.key_padding.device if self.key_padding is not None else None
-        queries = torch.arange(q_start, q_end, device=device)[:, None] + self.past_length  # (C, 1) key index of query
-        keys = torch.arange(k_start, k_end, device=device)[None, :]  # (1, K)
-        allowed = keys <= queries
-        if self.sliding_window is not None:
-            allowed = allowed & (keys > queries - self.sliding_window)
-        allowed = allowed[None, None]  # (1, 1, C, K)
-        if self.key_padding is not None:
-            allowed = allowed & self.key_padding[:, None, None, k_start:k_end]
-        if self.documents is not None:  # a packed row: each query sees the keys of its own document only
-            query_documents = self.documents[:, self.past_length + q_start : self.past_length + q_end]  # (B, C)
-            allowed = allowed & (query_documents[:, None, :, None] == self.documents[:, None, None, k_start:k_end])
-        return allowed | ~allowed.any(dim=-1, keepdim=True) if fill_empty_rows else allowed
-
-    def additive(
-        self, q_start: int, q_end: int, dtype: torch.dtype, k_start: int = 0, k_end: int | None = None
-    ) -> torch.Tensor:
-        """Float mask to add to scores: 0 (or the ALiBi bias) where allowed, the dtype's minimum elsewhere.
-        `(B or 1, H or 1, C, K)`."""
-        allowed = self.allowed(q_start, q_end, k_start, k_end)
-        bias = torch.zeros((), dtype=dtype, device=allowed.device)
-        if self.alibi_slopes is not None:
-            k_end = self.key_length if k_end is None else k_end
-            distance = self.query_positions[:, q_start:q_end, None] - self.key_positions[:, None, k_start:k_end]
-            bias = (-self.alibi_slopes.view(1, -1, 1, 1) * distance[:, None]).to(dtype)  # (B, H, C, K)
-        return torch.where(allowed, bias, torch.finfo(dtype).min)
-
-
-def weighted_values(
-    outputs: list[torch.Tensor], weights: list[torch.Tensor], value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The result of a chunked kernel: `(B, T, H, d)` and the attention weights `(B, H, T, S)` or None.
-
-    Without weights the chunks' outputs `(B, H, C, d)` are joined. With weights (`output_attentions`) the chunks
-    gave their weight rows instead, and the output is computed from the joined matrix, so the weights returned are
-    the ones the output depends on (their gradients exist, as for transformers' eager attention)."""
-    if weights:
-        weights = torch.cat(weights, dim=2)  # (B, H, T, S)
-        return torch.matmul(weights, value).transpose(1, 2), weights
-    return torch.cat(outputs, dim=2).transpose(1, 2), None  # (B, H, T, d) -> (B, T, H, d)
-
-
-@dataclass
-class TokenMask:
-    """What a kernel that keeps running sums instead of scores (Linformer, AFT) needs to know about the T new tokens:
-    which are real, and where the documents of a packed row start (its sums restart there)."""
-
-    padding: torch.Tensor | None = None  # (B, T) bool, True for real tokens; None when nothing is padded
-    documents: torch.LongTensor | None = None  # (B, T) document of each token in a packed row; None: one per row
-
-
-def packed_documents(
-    position_ids: torch.LongTensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None, batch: int
-) -> torch.LongTensor | None:
-    """The document index of each token of a packed row `(B, T)`, or None when each row holds one sequence.
-
-    transformers' rule (`masking_utils`): with no 2D attention mask and no cache (padding-free training, e.g.
-    `DataCollatorWithFlattening`), a row whose `position_ids` restart at 0 holds several documents, which must not
-    see each other. Dense masks get this from `create_causal_mask`; the blockwise and token masks get it here.
-    """
-    if attention_mask is not None or past_key_values is not None:
-        return None
-    return find_packed_sequence_indices(position_ids.expand(batch, -1))
-
-
 class ZooPreTrainedModel(PreTrainedModel):
     config: ZooConfig
     base_model_prefix = "model"
@@ -336,7 +254,7 @@ class ZooPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["ZooDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _can_record_outputs = {"hidden_states": ZooDecoderLayer, "attentions": ZooAttention}
-    # Backends a variant can run through `ALL_ATTENTION_FUNCTIONS` (eager always works); variants set their own.
+    # Set on each variant's classes from its attention's `backends` (`ZooModel.__init_subclass__`)
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -349,8 +267,7 @@ class ZooPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        # parameters that are not Linear/Embedding/norm weights (score vectors, Linformer's E and F) init themselves
-        if hasattr(module, "init_parameters"):
+        if isinstance(module, ZooModule):
             module.init_parameters(self.config)
         # GPT-2: the projections writing into the residual stream start smaller, std / sqrt(2L), so the variance of
         # the stream does not grow with depth. Children are initialised before their parent, so this wins.
@@ -383,92 +300,25 @@ class ZooPreTrainedModel(PreTrainedModel):
             )
         return (model, info) if return_info else model
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        # transformers writes only the saved class into `auto_map`; list the three Auto classes so the checkpoint
-        # loads with `trust_remote_code=True` as a config, a base model or a causal LM.
-        self.config.auto_map = auto_map_for(type(self))
+    card_details: dict | None = None  # training details for the model card (set by a training run)
+
+    def save_pretrained(self, save_directory, *args, training: dict | None = None, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus an `auto_map` naming every class of the variant and the model
+        card (README.md, with `training` details, or `card_details`, when given; a card already in the folder is
+        kept)."""
+        base = type(self) if isinstance(self, ZooModel) else self.base_model_class
+        self.config.auto_map = auto_map_for(base)
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", args[0] if args else True):
-            _write_model_card(save_directory, self.config)  # a card already in the folder (a trainer's) is kept
+            write_card(save_directory, self.config, training if training is not None else self.card_details)
         return result
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         # `push_to_hub` overwrites the README.md `save_pretrained` wrote, with the repo's card or, for a repo without
         # one, a generic template (transformers' `create_and_tag_model_card`); this hook sees the folder just before
         # the upload and puts the zoo card in place of that template.
-        _write_model_card(working_dir, self.config, repo_id=repo_id, replace_generic=True)
+        write_card(working_dir, self.config, repo_id=repo_id, replace_generic=True)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
-
-
-def _write_model_card(folder, config: ZooConfig, **kwargs) -> None:
-    """The package's model card (`hf_attn_zoo.cards.write_card`) in `folder`. This module travels with checkpoints
-    and may run as remote code where the package is not installed: then nothing is written. (transformers does not
-    count imports inside `try` as requirements of remote code.)"""
-    try:
-        from hf_attn_zoo.cards import write_card
-    except ImportError:
-        return
-    write_card(folder, config, **kwargs)
-
-
-class CheckpointMismatchError(ValueError, RuntimeError):
-    """Weights whose shapes do not fit the config: a `ValueError` (bad input) that is also the `RuntimeError`
-    transformers raises for it, so code written against either catches it."""
-
-
-def sizing_fields(model: nn.Module, key: str) -> str:
-    """The config fields that size the tensor `key` of `model`, as declared by the module that owns it: the
-    nearest module on the path whose `sized_by` names the next step (`self_attn` names `q_proj`, ...)."""
-    parts = key.split(".")
-    for depth in range(len(parts), 0, -1):
-        try:
-            owner = model.get_submodule(".".join(parts[: depth - 1]))
-        except AttributeError:
-            continue
-        fields = getattr(owner, "sized_by", {}).get(parts[depth - 1])
-        if fields:
-            return fields
-    return "the variant's own fields"
-
-
-def describe_mismatch(source, model: nn.Module, mismatched: list) -> str:
-    config = model.config
-    lines = [f"the weights in {source} do not fit the model its config describes ({config.model_type}):"]
-    for key, checkpoint_shape, model_shape in sorted(mismatched)[:8]:
-        lines.append(
-            f"  {key}: checkpoint {list(checkpoint_shape)}, config builds {list(model_shape)} "
-            f"(sized by {sizing_fields(model, key)})"
-        )
-    if len(mismatched) > 8:
-        lines.append(f"  ... and {len(mismatched) - 8} more")
-    lines.append(
-        "Restore the config.json saved with these weights, or pass ignore_mismatched_sizes=True to initialise the "
-        "tensors that do not fit afresh."
-    )
-    return "\n".join(lines)
-
-
-class ZooSoftmaxKernels:
-    """Mixin for variants whose scores go through transformers' `ALL_ATTENTION_FUNCTIONS` unchanged."""
-
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
-    _supports_attention_backend = True
-    # key/value caches written in place and masks of fixed shape: a static-cache decode step compiles to one graph
-    _can_compile_fullgraph = True
-
-
-def auto_map_for(model_class: type[ZooPreTrainedModel]) -> dict[str, str]:
-    """`auto_map` naming every class of `model_class`'s variant (config, base model and each head), as
-    `<module file>.<class>`, so a checkpoint loads with `trust_remote_code=True` through any of the Auto classes."""
-    base = model_class if issubclass(model_class, ZooModel) else model_class.base_model_class
-
-    def name(cls: type) -> str:
-        return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
-
-    auto_map = {"AutoConfig": name(base.config_class), "AutoModel": name(base)}
-    return auto_map | {auto_class: name(head) for auto_class, head in base.heads.items()}
 
 
 def returns_output_to_its_head(forward):
@@ -486,7 +336,8 @@ def returns_output_to_its_head(forward):
 
 
 class ZooModel(ZooPreTrainedModel):
-    """Embeddings, `num_hidden_layers` decoder layers built around `attention_class`, and the final norm."""
+    """Embeddings, `num_hidden_layers` decoder layers built around `attention_class`, and the final norm. A variant's
+    subclass names its `config_class` and `attention_class`; transformers' backend flags follow from the latter."""
 
     attention_class: type[ZooAttention]
     causal_lm_class = None  # the variant's ZooForCausalLM subclass, set by `ZooHead.__init_subclass__`
@@ -498,6 +349,20 @@ class ZooModel(ZooPreTrainedModel):
         "norm": "hidden_size",
     }
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.heads = {}  # each variant lists its own heads
+        attention = cls.__dict__.get("attention_class")
+        if attention is not None:
+            unknown = set(attention.backends) - set(BACKENDS)
+            if unknown or "eager" not in attention.backends:
+                raise TypeError(f"{attention.__name__}.backends={attention.backends}: eager and any of {BACKENDS}")
+            cls._supports_sdpa = "sdpa" in attention.backends
+            cls._supports_flash_attn = "flash_attention_2" in attention.backends
+            cls._supports_flex_attn = "flex_attention" in attention.backends
+            cls._supports_attention_backend = len(attention.backends) > 1  # goes through ALL_ATTENTION_FUNCTIONS
+            cls._can_compile_fullgraph = attention.compiles_fullgraph
+
     def __init__(self, config: ZooConfig) -> None:
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -507,25 +372,22 @@ class ZooModel(ZooPreTrainedModel):
         self.embed_positions = (
             nn.Embedding(config.max_position_embeddings, config.hidden_size) if position_type == "learned" else None
         )
-        self.rotary_emb = ZooRotaryEmbedding(config=config) if position_type == "rope" else None
+        self.rotary_emb = (
+            ZooRotaryEmbedding(config, self.attention_class.rotary_dim(config)) if position_type == "rope" else None
+        )
         self.layers = nn.ModuleList(
             [ZooDecoderLayer(config, layer_idx, self.attention_class) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = make_norm(config)
         self.gradient_checkpointing = False
-        self.share_across_layers()
+        self.attention_class.share_across_layers(self)
         self.post_init()
 
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.heads = {}  # each variant lists its own heads
-
-    def share_across_layers(self) -> None:
-        """Hook for parameters that all layers share (Linformer's layerwise projection); runs before init."""
-
     def make_cache(self) -> Cache:
-        """The cache `forward` (and `generate`) starts when none is given: key/value layers (sliding-window ones when
-        the config has `sliding_window`); variants that decode from a state return a `ZooStateCache`."""
+        """The cache `forward` (and `generate`) starts when none is given: transformers' key/value layers
+        (sliding-window ones when the config has `sliding_window`), or the variant's state layers."""
+        if self.attention_class.decodes_from_state():
+            return ZooStateCache(self.config.num_hidden_layers, self.attention_class.cache_layer)
         return DynamicCache(config=self.config)
 
     @returns_output_to_its_head
@@ -548,14 +410,19 @@ class ZooModel(ZooPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = self.make_cache()
         if position_ids is None:
-            position_ids = self._default_position_ids(inputs_embeds, attention_mask, past_key_values)
+            past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+            count_real_tokens = self.attention_class.reads_positions or self.position_embedding_type in (
+                "alibi",
+                "sinusoidal",
+                "learned",
+            )
+            position_ids = default_position_ids(inputs_embeds, attention_mask, past_length, count_real_tokens)
 
         hidden_states = inputs_embeds
-        position_type = self.position_embedding_type
-        if position_type == "learned":
+        if self.position_embedding_type == "learned":
             self._check_learned_positions(position_ids)
             hidden_states = hidden_states + self.embed_positions(position_ids)
-        elif position_type == "sinusoidal":
+        elif self.position_embedding_type == "sinusoidal":
             hidden_states = hidden_states + sinusoidal_embedding(
                 position_ids, self.config.hidden_size, hidden_states.dtype
             )
@@ -566,8 +433,14 @@ class ZooModel(ZooPreTrainedModel):
         # a flag left at None falls back to the config, as in transformers; kernels read the resolved value
         if kwargs.get("output_attentions") is None:
             kwargs["output_attentions"] = self.config.output_attentions
-        causal_mask = self._attention_mask(
-            inputs_embeds, attention_mask, past_key_values, position_ids, kwargs["output_attentions"]
+        causal_mask = attention_mask_for(
+            self.attention_class,
+            self.config,
+            inputs_embeds,
+            attention_mask,
+            past_key_values,
+            position_ids,
+            kwargs["output_attentions"],
         )
 
         for decoder_layer in self.layers:
@@ -582,22 +455,6 @@ class ZooModel(ZooPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
-    def _default_position_ids(
-        self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None
-    ) -> torch.LongTensor:
-        seq_length = inputs_embeds.shape[1]
-        absolute = self.position_embedding_type in ("alibi", "sinusoidal", "learned")
-        if (
-            (absolute or self.attention_class.reads_positions)
-            and attention_mask is not None
-            and attention_mask.ndim == 2
-        ):
-            # Count real tokens only: a left-padded row gets the positions it would have alone; pads sit at 0.
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, past + T)
-            return position_ids[:, -seq_length:]
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        return torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device).unsqueeze(0)
-
     def _check_learned_positions(self, position_ids: torch.LongTensor) -> None:
         if torch.compiler.is_compiling():
             return
@@ -608,179 +465,16 @@ class ZooModel(ZooPreTrainedModel):
                 f"learned position table; shorten the input or build the model with a larger max_position_embeddings."
             )
 
-    def _attention_mask(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
-        position_ids: torch.LongTensor,
-        output_attentions: bool = False,
-    ) -> torch.Tensor | BlockwiseCausalMask | TokenMask | None:
-        """What the attention modules get as `attention_mask`, by the variant's `mask_type` (see `ZooAttention`)."""
-        mask_type = self._mask_type(inputs_embeds.shape[1], output_attentions)
-        if mask_type == "dense":
-            return self._dense_mask(inputs_embeds, attention_mask, past_key_values, position_ids)
-        if attention_mask is not None and attention_mask.ndim != 2:
-            raise ValueError(
-                f"{self.config.model_type} builds its own causal mask and takes a 2D padding mask (batch, length), "
-                f"got a {attention_mask.ndim}D attention_mask; pass the padding mask instead."
-            )
-        documents = packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
-        if mask_type == "blockwise":
-            return self._blockwise_mask(inputs_embeds, attention_mask, past_key_values, position_ids, documents)
-        padding = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            padding = attention_mask[:, -inputs_embeds.shape[1] :].bool()  # (B, T): the new tokens
-        return TokenMask(padding=padding, documents=documents)
-
-    def _mask_type(self, query_length: int, output_attentions: bool) -> str:
-        return self.attention_class.mask_type
-
-    # transformers' mask builder for the dense path; the sliding-window variant uses the windowed one
-    create_dense_mask = staticmethod(create_causal_mask)
-
-    def _dense_mask(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
-        position_ids: torch.LongTensor,
-    ) -> torch.Tensor | None:
-        """The causal and padding mask for the chosen backend; with ALiBi, an additive float mask with the bias."""
-        alibi = self.position_embedding_type == "alibi"
-        if alibi and self.config._attn_implementation not in ("eager", "sdpa"):
-            raise ValueError(
-                f"position_embedding_type='alibi' adds a bias to every attention score, which the "
-                f"{self.config._attn_implementation!r} backend cannot take; load the model with "
-                f"attn_implementation='sdpa' or 'eager', or use position_embedding_type='rope'."
-            )
-        mask = self.create_dense_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-            allow_is_causal_skip=not alibi,  # ALiBi needs the mask materialised to carry its bias
-        )
-        if not alibi:
-            return mask
-        batch_size, key_length = mask.shape[0], mask.shape[-1]
-        query_positions = position_ids.expand(batch_size, -1)  # (B, T)
-        keys = key_positions(query_positions, key_length - query_positions.shape[1])  # (B, S)
-        distance = query_positions[:, None, :, None] - keys[:, None, None, :]  # (B, 1, T, S)
-        bias = -self._alibi_slopes(mask.device).view(1, -1, 1, 1) * distance  # (B, H, T, S)
-        allowed = mask if mask.dtype == torch.bool else mask == 0
-        return torch.where(allowed, bias, torch.finfo(inputs_embeds.dtype).min).to(inputs_embeds.dtype)
-
-    def _blockwise_mask(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
-        position_ids: torch.LongTensor,
-        documents: torch.LongTensor | None = None,
-    ) -> BlockwiseCausalMask:
-        batch_size, query_length = inputs_embeds.shape[:2]
-        key_length, past_length = query_length, 0
-        if past_key_values is not None:
-            key_length, _ = past_key_values.get_mask_sizes(query_length, 0)
-            # The queries follow the cached tokens. A rolling (sliding) cache holds only the last of them; a static
-            # cache is longer than what it holds, and its slots after the queries are empty (causality hides them).
-            past_length = min(int(past_key_values.get_seq_length()), key_length - query_length)
-        key_padding = None
-        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-            seen = attention_mask.shape[1] - query_length  # tokens before the queries, cached or not
-            key_padding = attention_mask[:, seen - past_length :].bool()  # (B, past_length + T): the keys held
-            key_padding = F.pad(key_padding, (0, key_length - key_padding.shape[1]), value=False)  # (B, S)
-        mask = BlockwiseCausalMask(
-            key_length=key_length,
-            past_length=past_length,
-            key_padding=key_padding,
-            sliding_window=getattr(self.config, "sliding_window", None),
-            documents=documents,  # packed rows have no cache: the keys are the queries
-        )
-        if self.position_embedding_type == "alibi":
-            mask.alibi_slopes = self._alibi_slopes(inputs_embeds.device)
-            mask.query_positions = position_ids.expand(batch_size, -1)
-            mask.key_positions = key_positions(mask.query_positions, mask.past_length)
-        return mask
-
-    def _alibi_slopes(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(alibi_slopes(self.config.num_attention_heads), device=device, dtype=torch.float32)
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """`cross_entropy(hidden @ weight.T, targets)` summed over valid targets and divided by `divisor`, without ever
-    holding the `(N, vocab)` logits: tokens go through in chunks, and each chunk's gradients (softmax minus one-hot,
-    pushed through the head at once) are computed in the forward pass, then scaled in the backward (the approach of
-    Liger's fused linear cross-entropy). Same three matmuls as the plain path, a fraction of the memory traffic.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, divisor, ignore_index: int, chunk_size: int):
-        # hidden (N, d), weight (V, d), targets (N,)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        loss_dtype = torch.promote_types(hidden.dtype, torch.float32)  # bf16/fp16 logits upcast, as transformers does
-        total = torch.zeros((), dtype=loss_dtype, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            chunk = hidden[start : start + chunk_size]  # (n, d)
-            target = targets[start : start + chunk_size]  # (n,)
-            logits = (chunk @ weight.T).to(loss_dtype)  # (n, V)
-            valid = target != ignore_index
-            safe_target = torch.where(valid, target, 0)
-            log_normaliser = torch.logsumexp(logits, dim=-1)  # (n,)
-            target_logit = logits.gather(1, safe_target[:, None]).squeeze(1)
-            total += ((log_normaliser - target_logit) * valid).sum()
-            # d(sum of losses)/d(logits) = softmax - one_hot(target) on valid rows; computed in the logits' buffer
-            grad_logits = logits.sub_(log_normaliser[:, None]).exp_().mul_(valid[:, None])
-            grad_logits.scatter_add_(1, safe_target[:, None], -valid[:, None].to(grad_logits.dtype))
-            grad_logits = grad_logits.to(hidden.dtype)
-            torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, chunk)
-        ctx.save_for_backward(grad_hidden, grad_weight, divisor)
-        return total / divisor
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight, divisor = ctx.saved_tensors
-        scale = (grad_output / divisor).to(grad_hidden.dtype)
-        return grad_hidden * scale, None if grad_weight is None else grad_weight * scale, None, None, None, None
-
-
-def causal_lm_loss_fused(
-    hidden_states: torch.Tensor,
-    lm_head: nn.Linear,
-    labels: torch.LongTensor,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    shift_labels: torch.LongTensor | None = None,
-    ignore_index: int = -100,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """transformers' `ForCausalLMLoss` (shifted labels, mean over valid tokens or sum / `num_items_in_batch`), computed
-    by `LinearCrossEntropy`."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # token t predicts token t + 1
-    targets = shift_labels.reshape(-1).to(hidden_states.device)
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])  # (B, T, d) -> (B*T, d)
-    divisor = (targets != ignore_index).sum() if num_items_in_batch is None else num_items_in_batch
-    divisor = torch.as_tensor(divisor, device=hidden.device, dtype=torch.promote_types(hidden.dtype, torch.float32))
-    if chunk_size is None:  # about 8 MiB of fp32 logits per chunk on CPU (cache-sized), 1 GiB on accelerators
-        budget = 1 << (21 if hidden.device.type == "cpu" else 28)
-        chunk_size = max(1, budget // lm_head.out_features)
-    return LinearCrossEntropy.apply(hidden, lm_head.weight, targets, divisor, ignore_index, chunk_size)
-
 
 class ZooHead(ZooPreTrainedModel):
-    """A variant's base model (`self.model`) under a head. A variant's head class sets `base_model_class`; that
+    """A variant's base model (`self.model`) under a head. A variant's head class names its `base_model_class`; that
     makes it the variant's head for `auto_class` (listed in `base_model_class.heads`, so in a checkpoint's
-    `auto_map`), takes the base model's config class and registers it for `trust_remote_code` saving."""
+    `auto_map`) and gives it the base model's config class and backend flags."""
 
     auto_class: ClassVar[str]
     base_model_class: type[ZooModel]
-    # what transformers reads off the top-level class to pick a backend: the base model's answers
-    BACKEND_FLAGS = (
+    # what transformers reads off the top-level class: the base model's answers
+    FLAGS_OF_THE_BASE = (
         "_supports_sdpa",
         "_supports_flash_attn",
         "_supports_flex_attn",
@@ -792,12 +486,13 @@ class ZooHead(ZooPreTrainedModel):
         base = cls.__dict__.get("base_model_class")
         if base is not None:
             cls.config_class = base.config_class
-            for flag in cls.BACKEND_FLAGS:
+            for flag in cls.FLAGS_OF_THE_BASE:
                 setattr(cls, flag, getattr(base, flag))
+            # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt lookup
+            cls._is_stateful = base.attention_class.decodes_from_state()
         super().__init_subclass__(**kwargs)
         if base is not None:
             base.heads[cls.auto_class] = cls
-            cls.register_for_auto_class(cls.auto_class)
 
     def _build_base_model(self, config: ZooConfig) -> None:
         """`self.model`, built directly: transformers' generic heads go through `AutoModel.from_config`, which does
@@ -870,7 +565,7 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         """`generate` builds a cache of key/value layers; a variant that decodes from a state puts its own in place,
         and refuses cache implementations (static, quantized, offloaded) that presuppose keys and values."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if type(self.model).make_cache is ZooModel.make_cache:
+        if not self.model.attention_class.decodes_from_state():
             return
         cache = model_kwargs.get("past_key_values")
         if cache is None or getattr(cache, "_is_user_defined", False):
@@ -892,11 +587,12 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         **kwargs,
     ) -> torch.Tensor | None:
         """With a static cache `generate` builds the 4D mask outside the model, so that a compiled decode step sees
-        fixed shapes. That suits the dense path (ALiBi's bias is added to it in `forward`); kernels that walk over
-        blocks build their mask from the 2D padding mask, so for them it stays 2D."""
-        if self.model._mask_type(inputs_embeds.shape[1], False) != "dense":
+        fixed shapes. That suits the dense kind (the forward adds ALiBi's bias to it, in `dense_mask`); kernels that
+        walk over blocks build their mask from the 2D padding mask, so for them it stays 2D."""
+        attention = self.model.attention_class
+        if attention.mask_kind(config, inputs_embeds.shape[1], False) != "dense":
             return attention_mask
-        return self.model.create_dense_mask(
+        return attention.dense_mask_function(
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,

@@ -18,16 +18,15 @@ from torch.nn import functional as F
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_sliding_window_causal_mask
 
-from .configuration_zoo import ZooConfig
+from .configuration_zoo import HEADS, ZooConfig, sized
+from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    BlockwiseCausalMask,
     ZooForCausalLM,
     ZooForQuestionAnswering,
     ZooForSequenceClassification,
     ZooForTokenClassification,
     ZooModel,
-    ZooSoftmaxKernels,
 )
 
 
@@ -36,6 +35,8 @@ class ZooSlidingWindowConfig(ZooConfig):
 
     model_type = "zoo_sliding_window"
     paper = 'Jiang et al. 2023, "Mistral 7B"; Beltagy et al. 2020, "Longformer"'
+    arxiv = ("2310.06825", "2004.05150")
+    presets = sized(num_attention_heads=HEADS, num_key_value_heads=(2, 2, 4), sliding_window=(32, 256, 1024))
     description = "causal window of w keys (Mistral); banded O(T·w) kernel for long inputs"
     cache_per_token = "2·L·G·d_h, flat past w tokens"
 
@@ -55,6 +56,24 @@ class ZooSlidingWindowConfig(ZooConfig):
 
 class ZooSlidingWindowAttention(ZooMultiHeadAttention):
     """GQA projections and cache; the mask (or the banded kernel) limits each query to the last w keys."""
+
+    family = "sliding_window"
+    dense_mask_function = staticmethod(create_sliding_window_causal_mask)
+
+    @classmethod
+    def mask_kind(cls, config: ZooSlidingWindowConfig, query_length: int, output_attentions: bool) -> str:
+        """The banded kernel (a blockwise mask) for more than 2w new tokens on eager/sdpa, unless the weights are
+        asked for (it never forms the full matrix); transformers' sliding-window mask otherwise."""
+        banded = (
+            query_length > 2 * config.sliding_window
+            and config._attn_implementation in ("eager", "sdpa")
+            and not output_attentions
+        )
+        return "blockwise" if banded else "dense"
+
+    @classmethod
+    def window(cls, config: ZooSlidingWindowConfig) -> int:
+        return config.sliding_window
 
     def attend(self, query, key, value, attention_mask, **kwargs):
         if isinstance(attention_mask, BlockwiseCausalMask):
@@ -94,22 +113,12 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
         return torch.cat(outputs, dim=2).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
 
 
-class ZooSlidingWindowModel(ZooSoftmaxKernels, ZooModel):
+class ZooSlidingWindowModel(ZooModel):
     config_class = ZooSlidingWindowConfig
     attention_class = ZooSlidingWindowAttention
-    create_dense_mask = staticmethod(create_sliding_window_causal_mask)
-
-    def _mask_type(self, query_length: int, output_attentions: bool) -> str:
-        banded = (
-            query_length > 2 * self.config.sliding_window
-            and self.config._attn_implementation in ("eager", "sdpa")
-            and not output_attentions  # the banded kernel never forms the full weight matrix
-        )
-        return "blockwise" if banded else "dense"
 
 
 class ZooSlidingWindowForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooSlidingWindowConfig
     base_model_class = ZooSlidingWindowModel
 
 
@@ -123,7 +132,3 @@ class ZooSlidingWindowForTokenClassification(ZooForTokenClassification):
 
 class ZooSlidingWindowForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooSlidingWindowModel
-
-
-ZooSlidingWindowConfig.register_for_auto_class()
-ZooSlidingWindowModel.register_for_auto_class("AutoModel")

@@ -16,10 +16,10 @@ from torch.nn import functional as F
 from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .configuration_zoo import ZooChunkedConfig, check_positive_int
+from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
+from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    BlockwiseCausalMask,
     ZooForCausalLM,
     ZooForQuestionAnswering,
     ZooForSequenceClassification,
@@ -34,6 +34,8 @@ class ZooTopKConfig(ZooChunkedConfig):
 
     model_type = "zoo_topk"
     paper = 'Gupta et al. 2021, "Memory-efficient Transformers via Top-k Attention"'
+    arxiv = ("2106.06899",)
+    presets = sized(num_attention_heads=HEADS, num_key_value_heads=(2, 2, 4), topk=(8, 32, 64))
     description = "each query keeps its top-k causal scores (Gupta 2021), chunked over queries"
     cache_per_token = "2·L·G·d_h"
 
@@ -47,6 +49,9 @@ class ZooTopKConfig(ZooChunkedConfig):
 class ZooTopKAttention(ZooMultiHeadAttention):
     """GQA projections and cache; the kernel keeps the `topk` best scores of each query."""
 
+    family = "topk"
+    backends = ("eager",)  # its own kernel
+    compiles_fullgraph = False
     mask_type = "blockwise"
 
     def attend(self, query, key, value, attention_mask: BlockwiseCausalMask, **kwargs):
@@ -98,7 +103,6 @@ class ZooTopKModel(ZooModel):
 
 
 class ZooTopKForCausalLM(ZooForCausalLM, GenerationMixin):
-    config_class = ZooTopKConfig
     base_model_class = ZooTopKModel
 
 
@@ -112,7 +116,3 @@ class ZooTopKForTokenClassification(ZooForTokenClassification):
 
 class ZooTopKForQuestionAnswering(ZooForQuestionAnswering):
     base_model_class = ZooTopKModel
-
-
-ZooTopKConfig.register_for_auto_class()
-ZooTopKModel.register_for_auto_class("AutoModel")

@@ -1,0 +1,199 @@
+"""What the attention modules get as `attention_mask`, by the kind their class declares (`ZooAttention.mask_kind`):
+
+- `"dense"`: transformers' causal mask for the backend, from `masking_utils` (the variant names the builder:
+  `create_causal_mask`, or the sliding-window one); with ALiBi, an additive float mask carrying the bias.
+- `"blockwise"`: a `BlockwiseCausalMask`, materialised a rectangle of (queries, keys) at a time by chunked kernels.
+- `"tokens"`: a `TokenMask` (which new tokens are real, which document of a packed row each belongs to), for kernels
+  that keep running sums instead of scores.
+
+Every kind keeps the documents of a packed row apart, by transformers' own rule (`packed_documents`). This module
+travels with every checkpoint (remote code): it imports only torch, transformers and flat siblings.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers.cache_utils import Cache
+from transformers.masking_utils import find_packed_sequence_indices
+
+from .configuration_zoo import ZooConfig
+from .positions_zoo import alibi_slopes, key_positions
+
+
+@dataclass
+class BlockwiseCausalMask:
+    """A causal attention mask (optionally windowed) with key padding, packed documents and ALiBi, materialised one
+    rectangle of (query rows, key columns) at a time, so that kernels which walk over query chunks never hold the
+    (T, S) matrix.
+
+    Query i (0-based among the T new tokens) is key `past_length + i` of the S visible keys.
+    """
+
+    key_length: int  # S
+    past_length: int  # keys before the first query
+    key_padding: torch.Tensor | None = None  # (B, S) bool, True for real tokens; None when nothing is padded
+    sliding_window: int | None = None  # keys j with i - window < j <= i only
+    alibi_slopes: torch.Tensor | None = None  # (H,)
+    query_positions: torch.LongTensor | None = None  # (B, T) true positions, for ALiBi
+    key_positions: torch.LongTensor | None = None  # (B, S)
+    documents: torch.LongTensor | None = None  # (B, S) document of each key in a packed row; None: one per row
+
+    def allowed(
+        self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None, fill_empty_rows: bool = True
+    ) -> torch.Tensor:
+        """Boolean `(B or 1, 1, q_end - q_start, k_end - k_start)`, True where query may attend to key. A row with no
+        allowed key (a padding query) allows all of them unless `fill_empty_rows=False`, so that kernels stay
+        finite; its output is never used."""
+        k_end = self.key_length if k_end is None else k_end
+        device = self.key_padding.device if self.key_padding is not None else None
+        queries = torch.arange(q_start, q_end, device=device)[:, None] + self.past_length  # (C, 1) key index of query
+        keys = torch.arange(k_start, k_end, device=device)[None, :]  # (1, K)
+        allowed = keys <= queries
+        if self.sliding_window is not None:
+            allowed = allowed & (keys > queries - self.sliding_window)
+        allowed = allowed[None, None]  # (1, 1, C, K)
+        if self.key_padding is not None:
+            allowed = allowed & self.key_padding[:, None, None, k_start:k_end]
+        if self.documents is not None:  # a packed row: each query sees the keys of its own document only
+            query_documents = self.documents[:, self.past_length + q_start : self.past_length + q_end]  # (B, C)
+            allowed = allowed & (query_documents[:, None, :, None] == self.documents[:, None, None, k_start:k_end])
+        return allowed | ~allowed.any(dim=-1, keepdim=True) if fill_empty_rows else allowed
+
+    def additive(
+        self, q_start: int, q_end: int, dtype: torch.dtype, k_start: int = 0, k_end: int | None = None
+    ) -> torch.Tensor:
+        """Float mask to add to scores: 0 (or the ALiBi bias) where allowed, the dtype's minimum elsewhere.
+        `(B or 1, H or 1, C, K)`."""
+        allowed = self.allowed(q_start, q_end, k_start, k_end)
+        bias = torch.zeros((), dtype=dtype, device=allowed.device)
+        if self.alibi_slopes is not None:
+            k_end = self.key_length if k_end is None else k_end
+            distance = self.query_positions[:, q_start:q_end, None] - self.key_positions[:, None, k_start:k_end]
+            bias = (-self.alibi_slopes.view(1, -1, 1, 1) * distance[:, None]).to(dtype)  # (B, H, C, K)
+        return torch.where(allowed, bias, torch.finfo(dtype).min)
+
+
+@dataclass
+class TokenMask:
+    """What a kernel that keeps running sums instead of scores (Linformer, AFT) needs to know about the T new tokens:
+    which are real, and where the documents of a packed row start (its sums restart there)."""
+
+    padding: torch.Tensor | None = None  # (B, T) bool, True for real tokens; None when nothing is padded
+    documents: torch.LongTensor | None = None  # (B, T) document of each token in a packed row; None: one per row
+
+
+def packed_documents(
+    position_ids: torch.LongTensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None, batch: int
+) -> torch.LongTensor | None:
+    """The document index of each token of a packed row `(B, T)`, or None when each row holds one sequence.
+
+    transformers' rule (`masking_utils`): with no 2D attention mask and no cache (padding-free training, e.g.
+    `DataCollatorWithFlattening`), a row whose `position_ids` restart at 0 holds several documents, which must not
+    see each other. Dense masks get this from `create_causal_mask`; the blockwise and token masks get it here.
+    """
+    if attention_mask is not None or past_key_values is not None:
+        return None
+    return find_packed_sequence_indices(position_ids.expand(batch, -1))
+
+
+def attention_mask_for(
+    attention_class,
+    config: ZooConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    position_ids: torch.LongTensor,
+    output_attentions: bool = False,
+) -> torch.Tensor | BlockwiseCausalMask | TokenMask | None:
+    """The `attention_mask` every layer of a model built around `attention_class` receives (module docstring)."""
+    kind = attention_class.mask_kind(config, inputs_embeds.shape[1], output_attentions)
+    if kind == "dense":
+        return dense_mask(attention_class, config, inputs_embeds, attention_mask, past_key_values, position_ids)
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(
+            f"{config.model_type} builds its own causal mask and takes a 2D padding mask (batch, length), got a "
+            f"{attention_mask.ndim}D attention_mask; pass the padding mask instead."
+        )
+    documents = packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
+    if kind == "blockwise":
+        return blockwise_mask(
+            attention_class, config, inputs_embeds, attention_mask, past_key_values, position_ids, documents
+        )
+    padding = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padding = attention_mask[:, -inputs_embeds.shape[1] :].bool()  # (B, T): the new tokens
+    return TokenMask(padding=padding, documents=documents)
+
+
+def dense_mask(
+    attention_class,
+    config: ZooConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    position_ids: torch.LongTensor,
+) -> torch.Tensor | None:
+    """The causal and padding mask for the chosen backend; with ALiBi, an additive float mask with the bias."""
+    alibi = config.position_embedding_type == "alibi"
+    if alibi and config._attn_implementation not in ("eager", "sdpa"):
+        raise ValueError(
+            f"position_embedding_type='alibi' adds a bias to every attention score, which the "
+            f"{config._attn_implementation!r} backend cannot take; load the model with attn_implementation='sdpa' or "
+            f"'eager', or use position_embedding_type='rope'."
+        )
+    mask = attention_class.dense_mask_function(
+        config=config,
+        inputs_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+        allow_is_causal_skip=not alibi,  # ALiBi needs the mask materialised to carry its bias
+    )
+    if not alibi:
+        return mask
+    batch_size, key_length = mask.shape[0], mask.shape[-1]
+    query_positions = position_ids.expand(batch_size, -1)  # (B, T)
+    keys = key_positions(query_positions, key_length - query_positions.shape[1])  # (B, S)
+    distance = query_positions[:, None, :, None] - keys[:, None, None, :]  # (B, 1, T, S)
+    slopes = torch.tensor(alibi_slopes(config.num_attention_heads), device=mask.device, dtype=torch.float32)
+    bias = -slopes.view(1, -1, 1, 1) * distance  # (B, H, T, S)
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    return torch.where(allowed, bias, torch.finfo(inputs_embeds.dtype).min).to(inputs_embeds.dtype)
+
+
+def blockwise_mask(
+    attention_class,
+    config: ZooConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    position_ids: torch.LongTensor,
+    documents: torch.LongTensor | None = None,
+) -> BlockwiseCausalMask:
+    batch_size, query_length = inputs_embeds.shape[:2]
+    key_length, past_length = query_length, 0
+    if past_key_values is not None:
+        key_length, _ = past_key_values.get_mask_sizes(query_length, 0)
+        # The queries follow the cached tokens. A rolling (sliding) cache holds only the last of them; a static cache
+        # is longer than what it holds, and its slots after the queries are empty (causality hides them).
+        past_length = min(int(past_key_values.get_seq_length()), key_length - query_length)
+    key_padding = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        seen = attention_mask.shape[1] - query_length  # tokens before the queries, cached or not
+        key_padding = attention_mask[:, seen - past_length :].bool()  # (B, past_length + T): the keys held
+        key_padding = F.pad(key_padding, (0, key_length - key_padding.shape[1]), value=False)  # (B, S)
+    mask = BlockwiseCausalMask(
+        key_length=key_length,
+        past_length=past_length,
+        key_padding=key_padding,
+        sliding_window=attention_class.window(config),
+        documents=documents,  # packed rows have no cache: the keys are the queries
+    )
+    if config.position_embedding_type == "alibi":
+        mask.alibi_slopes = torch.tensor(
+            alibi_slopes(config.num_attention_heads), device=inputs_embeds.device, dtype=torch.float32
+        )
+        mask.query_positions = position_ids.expand(batch_size, -1)
+        mask.key_positions = key_positions(mask.query_positions, mask.past_length)
+    return mask
