@@ -95,6 +95,16 @@ CONFORMANCE["aft_simple"] = {
     "reference": references.aft_attention,
 }
 
+CONFORMANCE["differential"] = {
+    # 4 heads of two 4-wide maps reading 2 key/value heads: both maps, the grouping and λ all bite
+    "config": dict(num_attention_heads=4, num_key_value_heads=2),
+    "invalid": [
+        (dict(hidden_size=48, num_attention_heads=5), "hidden_size"),
+        (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    ],
+    "reference": references.differential_attention,
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()

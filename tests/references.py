@@ -106,6 +106,42 @@ def additive_attention(attn, hidden, positions, attention_mask, config):
     )
 
 
+def differential_attention(attn, hidden, positions, attention_mask, config):
+    """Ye et al. 2024: per head, (softmax(Q1 K1ᵀ/√d) - λ softmax(Q2 K2ᵀ/√d)) V with λ = exp(λq1·λk1) - exp(λq2·λk2) +
+    λ_init, λ_init = 0.8 - 0.6 exp(-0.3 (l - 1)) at layer l; each head's output RMS-normalised and scaled by
+    1 - λ_init. Map i of head h reads map i of key/value head h // (H / G); ALiBi biases both maps."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q = attn.q_proj(hidden).view(batch, length, 2 * heads, d)  # map i of head h at 2h + i
+    k = attn.k_proj(hidden).view(batch, length, 2 * kv_heads, d)
+    v = attn.v_proj(hidden).view(batch, length, kv_heads, 2 * d)
+    if config.position_embedding_type == "rope":
+        theta = config.rope_parameters["rope_theta"]
+        q, k = rotate(q, positions, theta), rotate(k, positions, theta)
+    lambda_init = 0.8 - 0.6 * math.exp(-0.3 * attn.layer_idx)  # layer l = layer_idx + 1
+    lam = torch.exp(attn.lambda_q1 @ attn.lambda_k1) - torch.exp(attn.lambda_q2 @ attn.lambda_k2) + lambda_init
+    slopes = paper_alibi_slopes(heads)
+    out = torch.zeros(batch, length, heads, 2 * d)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    for b in range(batch):
+        allowed = causal & attention_mask[b].bool()[None, :]
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            for i in range(length):
+                if not allowed[i].any():  # a padding query: its output is never compared
+                    continue
+                maps = []
+                for m in (0, 1):
+                    scores = k[b, :, 2 * g + m] @ q[b, i, 2 * h + m] / math.sqrt(d)
+                    if config.position_embedding_type == "alibi":
+                        scores = scores - slopes[h] * (positions[b, i] - positions[b])
+                    maps.append(scores.masked_fill(~allowed[i], float("-inf")).softmax(-1))
+                head = (maps[0] - lam * maps[1]) @ v[b, :, g]  # (2d,)
+                normed = head / torch.sqrt((head**2).mean() + config.rms_norm_eps) * attn.head_norm.weight
+                out[b, i, h] = normed * (1 - lambda_init)
+    return attn.o_proj(out.reshape(batch, length, heads * 2 * d))
+
+
 def linformer_attention(attn, hidden, positions, attention_mask, config):
     """Wang et al. 2020, causal form: at step t slot j holds sum over real tokens s <= t of E[j, pos_s]·k_s (F for
     values), and the query attends over the k slots; with `is_causal=False` the sums run over the whole input."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import transformers
 from transformers import AutoConfig, AutoModel
 
-from . import additive, aft, linformer, mha, sliding_window, topk
+from . import additive, aft, differential, linformer, mha, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooMLP, ZooModel, ZooPreTrainedModel
 
@@ -140,6 +140,7 @@ register_variant(aft.ZooAFTLocalForCausalLM)
 register_variant(aft.ZooAFTSimpleForCausalLM)
 register_variant(topk.ZooTopKForCausalLM)
 register_variant(additive.ZooAdditiveForCausalLM)
+register_variant(differential.ZooDifferentialForCausalLM)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

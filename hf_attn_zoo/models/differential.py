@@ -1,0 +1,182 @@
+"""Differential attention: each head is the difference of two softmax maps, `(A1 - λ·A2) V`.
+
+Paper: Ye et al. 2024, "Differential Transformer" (arXiv 2410.05258). What differs from MHA: a head has two query
+maps and two key maps of width d (`head_dim`) and one value of width 2d. Its attention is the difference of the two
+softmax maps, `softmax(Q1 K1ᵀ/√d) - λ softmax(Q2 K2ᵀ/√d)`, so that attention noise common to both cancels. λ is
+learned through the paper's reparameterisation, `λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init`, with one set of four
+d-vectors per layer and `λ_init = 0.8 - 0.6·exp(-0.3·(l - 1))` at layer l (1-based). Each head's output goes through
+its own RMSNorm (the paper's per-head GroupNorm), scaled by `1 - λ_init`, before the output projection.
+
+Sizes: `head_dim` d defaults to `hidden_size / (2·num_attention_heads)`, so queries, keys and values have the
+widths of MHA's and the parameter count matches; the paper's choice is half the heads of a Transformer at the same
+head width (the presets: 2, 3 and 6 heads for widths 64, 384 and 768). Key/value heads are shared by groups of query
+heads as in GQA (`num_key_value_heads`): head h reads key/value head h // (H / G) in both maps.
+
+Kernel: both maps go through transformers' `ALL_ATTENTION_FUNCTIONS` (eager and sdpa; flash attention wants values
+as wide as keys). Attention weights (`output_attentions`, eager) are `A1 - λ·A2`: their rows sum to `1 - λ`, not 1.
+Positions: RoPE rotates the d-wide maps; ALiBi, absolute positions and none work as for MHA.
+
+Cache per token: keys of both maps and values, 2·L·G·2d values (twice MHA's at the same head_dim; the same as MHA
+with heads of width 2d); a key/value head's two key maps are cached side by side. Deviation from the paper: for GQA
+(G < H) the official code makes both maps of a head read the same key head; here map i of head h reads map i of
+key/value head h // (H / G), so the two maps stay distinct.
+"""
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from .configuration_zoo import ZooConfig, sized
+from .modeling_zoo import (
+    ZooAttention,
+    ZooForCausalLM,
+    ZooForQuestionAnswering,
+    ZooForSequenceClassification,
+    ZooForTokenClassification,
+    ZooModel,
+    ZooRMSNorm,
+)
+from .positions_zoo import apply_rotary
+
+
+class ZooDifferentialConfig(ZooConfig):
+    """`head_dim` is the width d of each query/key map; values are 2d wide."""
+
+    model_type = "zoo_differential"
+    paper = 'Ye et al. 2024, "Differential Transformer"'
+    arxiv = ("2410.05258",)
+    description = "two softmax maps per head, (A1 - λ·A2)V with a learned λ, per-head RMSNorm (Ye 2024)"
+    cache_per_token = "2·L·G·2d_h"
+    presets = sized(num_attention_heads=(2, 3, 6))
+
+    def __post_init__(self, **kwargs):
+        heads, hidden = self.num_attention_heads, self.hidden_size
+        if self.head_dim is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+            if hidden % (2 * heads) != 0:
+                raise ValueError(
+                    f"hidden_size={hidden} is not divisible by 2 * num_attention_heads={2 * heads}: each head has two "
+                    f"query/key maps of width head_dim = hidden_size / (2 * num_attention_heads); pick a head count "
+                    f"that divides hidden_size / 2, or set head_dim explicitly."
+                )
+            self.head_dim = hidden // (2 * heads)
+        super().__post_init__(**kwargs)
+
+
+class ZooDifferentialAttention(ZooAttention):
+    """Queries and keys of two maps per head (`(B, 2H, T, d)`, `(B, 2G, T, d)`: map i of head h at 2h + i), values
+    `(B, G, T, 2d)`; the two maps through the backend, subtracted with the layer's λ, normalised per head. The cache
+    holds a key/value head's two key maps side by side, `(B, G, T, 2d)`, as wide as its value (transformers' static
+    cache wants keys and values with the same heads)."""
+
+    family = "differential"
+    backends = ("eager", "sdpa")
+    attention_weights_sum_to_one = False  # rows of A1 - λ·A2 sum to 1 - λ
+    sized_by: ClassVar[dict[str, str]] = {
+        "q_proj": "num_attention_heads, head_dim (two maps), hidden_size",
+        "k_proj": "num_key_value_heads, head_dim (two maps), hidden_size",
+        "v_proj": "num_key_value_heads, head_dim (values are 2 * head_dim wide), hidden_size",
+        "o_proj": "num_attention_heads, head_dim (2 * head_dim per head), hidden_size",
+        **dict.fromkeys(("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"), "head_dim"),
+        "head_norm": "head_dim (2 * head_dim)",
+    }
+
+    def __init__(self, config: ZooDifferentialConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.head_dim = config.head_dim  # d: one query/key map
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # read by the attention kernels
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        hidden, bias, width = config.hidden_size, config.attention_bias, 2 * self.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * width, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * width, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * width, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * width, hidden, bias=bias)
+        # λ's reparameterisation: four d-vectors per layer, and λ_init by depth (layer l = layer_idx + 1)
+        self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
+            nn.Parameter(torch.empty(self.head_dim)) for _ in range(4)
+        )
+        self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+        self.head_norm = ZooRMSNorm(width, eps=config.rms_norm_eps)
+
+    def init_parameters(self, config: ZooDifferentialConfig) -> None:
+        for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            init.normal_(vector, mean=0.0, std=0.1)  # the paper's initialisation
+
+    def differential_lambda(self) -> torch.Tensor:
+        """λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init, a scalar."""
+        first = torch.exp(torch.dot(self.lambda_q1, self.lambda_k1).float())
+        second = torch.exp(torch.dot(self.lambda_q2, self.lambda_k2).float())
+        return first - second + self.lambda_init
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length = hidden_states.shape[:2]
+        # (B, T, heads * 2d) -> (B, T, 2 * heads, d) -> (B, 2 * heads, T, d): map i of head h is channel 2h + i
+        query = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(batch, length, -1, 2 * self.head_dim).transpose(1, 2)  # (B, G, T, 2d)
+        if position_embeddings is not None:
+            query, key = apply_rotary(query, key, *position_embeddings)  # both maps rotate alike
+        # (B, 2G, T, d) -> (B, T, 2G, d) -> (B, T, G, 2d) -> (B, G, T, 2d): maps 2g and 2g + 1 side by side
+        key = key.transpose(1, 2).reshape(batch, length, -1, 2 * self.head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, G, S, 2d) each
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        maps = [
+            attention_interface(
+                self,
+                query[:, i::2],  # (B, H, T, d): map i of every head
+                key[..., i * self.head_dim : (i + 1) * self.head_dim],  # (B, G, S, d): map i of every key head
+                value,
+                attention_mask,
+                dropout=self.attention_dropout if self.training else 0.0,
+                scaling=self.scaling,
+                **kwargs,
+            )
+            for i in (0, 1)
+        ]  # each ((B, T, H, 2d), weights (B, H, T, S) or None)
+        lam = self.differential_lambda().to(query.dtype)
+        output = maps[0][0] - lam * maps[1][0]  # (A1 - λ·A2) V, the value product being linear
+        output = self.head_norm(output) * (1.0 - self.lambda_init)  # per-head RMSNorm, as the paper's GroupNorm
+        weights = None if maps[0][1] is None else maps[0][1] - lam * maps[1][1]
+        return self.o_proj(output.reshape(batch, length, -1)), weights
+
+
+class ZooDifferentialModel(ZooModel):
+    config_class = ZooDifferentialConfig
+    attention_class = ZooDifferentialAttention
+
+
+class ZooDifferentialForCausalLM(ZooForCausalLM, GenerationMixin):
+    base_model_class = ZooDifferentialModel
+
+
+class ZooDifferentialForSequenceClassification(ZooForSequenceClassification):
+    base_model_class = ZooDifferentialModel
+
+
+class ZooDifferentialForTokenClassification(ZooForTokenClassification):
+    base_model_class = ZooDifferentialModel
+
+
+class ZooDifferentialForQuestionAnswering(ZooForQuestionAnswering):
+    base_model_class = ZooDifferentialModel
