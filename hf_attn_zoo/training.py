@@ -56,7 +56,7 @@ class ModelArguments:
     variant: str = field(default="gqa", metadata={"help": "registered variant (see `hf-attn-zoo list`)"})
     size: str | None = field(
         default="tiny",
-        metadata={"help": "preset of the variant (tiny, small, base: `hf-attn-zoo list --presets`); empty: config"},
+        metadata={"help": "preset of the variant (tiny, small, base; on its config class); empty: model.config alone"},
     )
     config: str | None = field(
         default=None, metadata={"help": "JSON mapping (a YAML mapping in recipes) of config fields over the preset"}
