@@ -31,7 +31,7 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
+from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
 
 from .configuration_zoo import ZooConfig, sized
 from .modeling_zoo import (
@@ -155,9 +155,14 @@ class ZooDifferentialAttention(ZooAttention):
             for i in (0, 1)
         ]  # each ((B, T, H, 2d), weights (B, H, T, S) or None)
         lam = self.differential_lambda().to(query.dtype)
-        output = maps[0][0] - lam * maps[1][0]  # (A1 - λ·A2) V, the value product being linear
+        weights = None
+        if kwargs.get("output_attentions") and maps[0][1] is not None:
+            # the weights asked for are the ones the output is computed from, so they carry gradients as eager's do
+            weights = maps[0][1] - lam * maps[1][1]  # (B, H, T, S)
+            output = torch.matmul(weights, repeat_kv(value, self.num_key_value_groups)).transpose(1, 2)
+        else:
+            output = maps[0][0] - lam * maps[1][0]  # (A1 - λ·A2) V, the value product being linear
         output = self.head_norm(output) * (1.0 - self.lambda_init)  # per-head RMSNorm, as the paper's GroupNorm
-        weights = None if maps[0][1] is None else maps[0][1] - lam * maps[1][1]
         return self.o_proj(output.reshape(batch, length, -1)), weights
 
 
