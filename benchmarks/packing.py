@@ -5,16 +5,20 @@ library) on the same blocks for the same steps; the only difference is whether a
 boundary. Runs alternate between the two modes (eos, documents, documents, eos, ...) so that drift of the machine
 hits both alike. Reported per run: training tokens/s, the run's own validation perplexity (its packing, its targets)
 and the perplexity the harness (`hf_attn_zoo.evaluation.perplexity.score_texts`) gives on the held-out documents,
-each scored alone, with and without a BOS token in front.
+each scored alone, with and without a BOS token in front. Runs already trained (their training_summary.json in
+`--runs_dir`) are scored again, not retrained. Writes results/packing.md and .json.
 
     python benchmarks/packing.py [--steps 600] [--seeds 0 1] [--variant gqa] [--output_dir benchmarks/results]
+    hf-attn-zoo bench packing ...     (the same, from a source checkout)
 """
 
-import argparse
 import json
 import statistics
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import REPOSITORY, Benchmark, Results, main, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_attn_zoo.data import load_text_splits
@@ -23,6 +27,16 @@ from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.training import run_training
 
 MODES = ("eos", "documents")
+
+
+@dataclass
+class PackingSetup(Results):
+    """Padding-free training against EOS-separated packing on the demo's model: speed and held-out perplexity."""
+
+    steps: int = field(default=600, metadata={"help": "optimizer steps per run (the demo's 600)"})
+    seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "one run per mode and seed"})
+    variant: str = field(default="gqa", metadata={"help": "registered variant"})
+    runs_dir: str = field(default=str(REPOSITORY / "runs" / "packing"), metadata={"help": "training runs (resumable)"})
 
 
 def run(mode: str, seed: int, steps: int, variant: str, root: Path) -> dict:
@@ -80,24 +94,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps per run (the demo's 600)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="one run per mode and seed")
-    parser.add_argument("--variant", default="gqa", help="registered variant")
-    parser.add_argument("--runs_dir", type=Path, default=Path("runs/packing"), help="training runs (resumable)")
-    parser.add_argument("--output_dir", type=Path, default=Path("benchmarks/results"), help="where the table goes")
-    args = parser.parse_args()
-    rows = []  # runs already done (their training_summary.json) are scored again, not retrained
-    for i, seed in enumerate(args.seeds):
+def run_packing(setup: PackingSetup) -> list[dict]:
+    rows = []
+    for i, seed in enumerate(setup.seeds):
         for mode in MODES if i % 2 == 0 else MODES[::-1]:  # alternate the order: eos, documents, documents, eos
-            rows.append(run(mode, seed, args.steps, args.variant, args.runs_dir))
+            rows.append(run(mode, seed, setup.steps, setup.variant, Path(setup.runs_dir)))
             print(json.dumps(rows[-1]), flush=True)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "packing.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (args.output_dir / "packing.md").write_text(table(rows) + "\n")
-    print(table(rows))
+    write_results(setup.output_dir, "packing", rows, table(rows))
+    return rows
 
+
+BENCHMARKS = {"packing": Benchmark(PackingSetup, run_packing)}
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(BENCHMARKS))

@@ -1,12 +1,15 @@
-"""The command line: `list`, `bench llama` and the main job `demo`."""
+"""The command line: `list`, `--help` of every command, both spellings of options, `bench` inside and outside a
+checkout, and the main job `demo`."""
 
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_attn_zoo import cli
 from hf_attn_zoo.cli import build_parser, main
 from hf_attn_zoo.models import VARIANTS
 
@@ -51,6 +54,36 @@ def test_train_help_lists_the_recipe_fields(capsys):
         main(["train", "--help"])
     printed = capsys.readouterr().out
     assert "model: variant, size" in printed and "learning_rate" in printed
+
+
+def test_options_take_underscores_and_dashes():
+    parser = build_parser()
+    for spelling in ("--max_length", "--max-length"):
+        namespace = parser.parse_args(["eval", "model", "--data", "a.txt", spelling, "64", "--trust-remote-code"])
+        assert namespace.max_length == 64 and namespace.trust_remote_code is True and namespace.model == "model"
+
+
+def test_every_bench_name_has_its_script():
+    for name, command in cli.COMMANDS["bench"].subcommands.items():
+        with pytest.raises(SystemExit) as exit_info:
+            command.run(["--help"])
+        assert exit_info.value.code == 0, name
+
+
+def test_bench_outside_a_checkout_says_where_benchmarks_live(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "checkout_root", lambda: tmp_path)  # an installed package: no benchmarks/ beside it
+    monkeypatch.chdir(tmp_path)
+    assert cli.benchmarks_folder() is None
+    for args in (["bench", "llama"], ["bench", "scaling", "--help"]):
+        assert main(args) == 2
+        printed = capsys.readouterr()
+        assert printed.out == "" and len(printed.err.strip().splitlines()) == 1
+        assert "benchmarks/" in printed.err and "repository" in printed.err
+
+
+def test_bench_finds_the_repositorys_benchmarks_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.benchmarks_folder() == Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_bench_llama_writes_ratios(tmp_path, capsys):

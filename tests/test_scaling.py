@@ -1,11 +1,14 @@
-"""The scaling benchmark's pieces: the exponent fit, cache accounting, and a smoke run of the command."""
+"""The scaling benchmark's pieces (benchmarks/scaling.py): the exponent fit, cache accounting, how its models are
+sized, and a smoke run of the command."""
 
 import json
 
 import pytest
 
-from hf_attn_zoo.cli import main
-from hf_attn_zoo.evaluation.scaling import ScalingSetup, benchmark_model, exponent, measure_decode_cache
+from hf_attn_zoo.cli import benchmark_script, main
+from hf_attn_zoo.models import VARIANTS, get_variant
+
+scaling = benchmark_script("scaling")  # benchmarks/scaling.py, imported from the repository
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, vocab_size=64)
 
@@ -13,12 +16,15 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, vocab_size=64)
 def test_exponent_recovers_power_laws():
     for power in (1.0, 1.5, 2.0):
         rows = [{"length": n, "seconds": 3e-4 * n**power} for n in (512, 1024, 2048, 4096)]
-        assert exponent(rows) == pytest.approx(power)
+        assert scaling.exponent(rows) == pytest.approx(power)
 
 
 def test_cache_bytes_follow_the_head_counts():
-    setup = ScalingSetup(**TINY)
-    measured = {name: measure_decode_cache(benchmark_model(name, setup, 64), 12) for name in ("mha", "mqa", "gqa")}
+    setup = scaling.ScalingSetup(**TINY)
+    measured = {
+        name: scaling.measure_decode_cache(scaling.benchmark_model(name, setup, 64), 12)
+        for name in ("mha", "mqa", "gqa")
+    }
     heads = 8  # mha: 8 KV heads, gqa: 2, mqa: 1
     assert measured["mha"] == heads * measured["mqa"]
     assert measured["gqa"] == 2 * measured["mqa"]
@@ -28,11 +34,22 @@ def test_cache_bytes_follow_the_head_counts():
 
 @pytest.mark.parametrize("name", ["aft_simple", "linformer", "aft_local", "sliding_window"])
 def test_state_and_window_caches_stop_growing(name):
-    setup = ScalingSetup(**TINY)
-    model = benchmark_model(name, setup, 512)
+    setup = scaling.ScalingSetup(**TINY)
+    model = scaling.benchmark_model(name, setup, 512)
     window = {"aft_local": 64, "sliding_window": 256}.get(name, 0)
-    short, long = measure_decode_cache(model, window + 20), measure_decode_cache(model, window + 60)
+    short, long = scaling.measure_decode_cache(model, window + 20), scaling.measure_decode_cache(model, window + 60)
     assert short == long
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_models_are_the_small_presets_at_the_benchmarks_size(name):
+    preset = get_variant(name).preset("small")
+    model = scaling.benchmark_model(name, scaling.ScalingSetup(**TINY), 128)
+    expected = {**preset, **TINY, "max_position_embeddings": 128}
+    if "num_attention_heads" in preset:
+        expected["num_attention_heads"] = scaling.ScalingSetup().num_attention_heads
+    assert {key: getattr(model.config, key) for key in expected} == expected
+    assert model.config._attn_implementation == get_variant(name).default_backend
 
 
 def test_bench_scaling_command_writes_table_json_and_exponents(tmp_path):

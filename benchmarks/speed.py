@@ -1,0 +1,239 @@
+"""Training and `generate()` speed of zoo models against transformers' `LlamaForCausalLM`, in the same process.
+
+llama     A zoo variant of the MHA family (`--variant gqa`, or mha, mqa, single_head) against Llama holding the same
+          weights (the zoo model is converted from it with `from_llama`), same config, same attention backend:
+          training tokens/s (batch 8 x 256, forward + backward + AdamW on random tokens) and greedy `generate()`
+          tokens/s (prompt 128, 128 new tokens, batches 1 and 8). Model: 6 layers x 256, 8 heads, 2 key/value
+          heads, vocabulary 16384 (8.4M parameters); sizes, batches and lengths are options.
+          Writes results/speed_<variant>_vs_llama.md and .json.
+training  Every variant's `small` preset against `LlamaForCausalLM` at the same width, depth, MLP and head counts:
+          training tokens/s at batch 8 x 256, vocabulary 8192 (about 8 minutes on 2 cores).
+          Writes results/training_throughput_<size>.md and .json.
+
+Each sample is the best of a few runs, samples alternate between the two models (A B, B A, ...) and the ratio
+zoo / Llama is the median of the ratios of back-to-back pairs (common.py); above 1.0 the zoo model is faster.
+
+    python benchmarks/speed.py llama [--repeats 9] [--variant mqa] [--output_dir benchmarks/results]
+    python benchmarks/speed.py training [--variants gqa mha] [--size small]
+    hf-attn-zoo bench llama ... | hf-attn-zoo bench training ...     (the same, from a source checkout)
+"""
+
+import copy
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from common import Benchmark, Results, alternate, compare, fastest, llama_like, main, paired_ratio, write_results
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_attn_zoo.convert.llama import from_llama, in_mha_family
+from hf_attn_zoo.models import VARIANTS, get_variant
+
+
+@dataclass
+class SpeedSetup(Results):
+    """A zoo variant against LlamaForCausalLM holding the same weights: training and generate() tokens/s."""
+
+    variant: str = field(default="gqa", metadata={"help": "MHA-family variant to compare with Llama"})
+    vocab_size: int = field(default=16384, metadata={"help": "vocabulary of both models"})
+    hidden_size: int = field(default=256, metadata={"help": "model width"})
+    intermediate_size: int = field(default=688, metadata={"help": "MLP width"})
+    num_hidden_layers: int = field(default=6, metadata={"help": "layers"})
+    num_attention_heads: int = field(default=8, metadata={"help": "query heads"})
+    num_key_value_heads: int = field(default=2, metadata={"help": "key/value heads"})
+    train_batch_size: int = field(default=8, metadata={"help": "training batch size"})
+    train_seq_len: int = field(default=256, metadata={"help": "training sequence length"})
+    train_steps: int = field(default=4, metadata={"help": "timed training steps per sample; the fastest counts"})
+    prompt_len: int = field(default=128, metadata={"help": "generate(): prompt tokens"})
+    new_tokens: int = field(default=128, metadata={"help": "generate(): new tokens per row"})
+    decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"help": "generate() batches"})
+    decode_runs: int = field(default=3, metadata={"help": "generate() calls per sample; the fastest counts"})
+    repeats: int = field(default=5, metadata={"help": "alternating samples per model and metric"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "attention backend of both models"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+
+
+@dataclass
+class SpeedReport:
+    setup: SpeedSetup
+    parameters: int
+    # metric name -> {"llama": [tokens/s per repeat], "zoo": [...]}
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    machine: str = field(default_factory=lambda: f"{platform.machine()}, torch {torch.__version__}")
+
+    def median(self, metric: str, model: str) -> float:
+        return statistics.median(self.samples[metric][model])
+
+    def ratio(self, metric: str) -> float:
+        return paired_ratio(self.samples[metric]["zoo"], self.samples[metric]["llama"])
+
+    def table(self) -> str:
+        s = self.setup
+        lines = [
+            f"`{s.variant}` vs `LlamaForCausalLM`: {self.parameters / 1e6:.1f}M parameters "
+            f"({s.num_hidden_layers} layers x {s.hidden_size}, {s.num_attention_heads} heads, "
+            f"{s.num_key_value_heads} KV heads), {s.attn_implementation}, {torch.get_num_threads()} threads, "
+            f"best-of-run samples, medians of {s.repeats} alternating repeats ({self.machine})",
+            "",
+            "| metric | Llama tokens/s | zoo tokens/s | zoo / Llama |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for metric in self.samples:
+            lines.append(
+                f"| {metric} | {self.median(metric, 'llama'):,.0f} | {self.median(metric, 'zoo'):,.0f} "
+                f"| {self.ratio(metric):.3f} |"
+            )
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ratios": {metric: self.ratio(metric) for metric in self.samples}}
+
+
+def training_tokens_per_second(model, batch_size: int, seq_len: int, steps: int, vocab_size: int) -> float:
+    """Forward, backward and an AdamW step on random tokens (the data does not change the arithmetic); the fastest
+    of `steps` timed steps."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # allocate optimizer state outside the timing
+    return batch_size * seq_len / fastest(step, steps)
+
+
+@torch.no_grad()
+def decode_tokens_per_second(
+    model, batch_size: int, prompt_len: int, new_tokens: int, vocab_size: int, runs: int = 3
+) -> float:
+    """Greedy `generate()` of exactly `new_tokens` tokens per row, prefill included as a user would see it; the
+    fastest of `runs` calls."""
+    model.eval()
+    prompt = torch.randint(0, vocab_size, (batch_size, prompt_len), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return batch_size * new_tokens / fastest(lambda: model.generate(prompt, **kwargs), runs)
+
+
+def build_pair(setup: SpeedSetup) -> tuple[LlamaForCausalLM, torch.nn.Module]:
+    """A Llama model and the zoo model with the same config and the same weights."""
+    if not in_mha_family(setup.variant):
+        raise ValueError(f"variant={setup.variant!r}: the Llama comparison covers the MHA family (mha, gqa, mqa).")
+    llama_config = LlamaConfig(
+        vocab_size=setup.vocab_size,
+        hidden_size=setup.hidden_size,
+        intermediate_size=setup.intermediate_size,
+        num_hidden_layers=setup.num_hidden_layers,
+        num_attention_heads=setup.num_attention_heads,
+        num_key_value_heads=setup.num_key_value_heads,
+        max_position_embeddings=max(setup.train_seq_len, setup.prompt_len + setup.new_tokens),
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        attn_implementation=setup.attn_implementation,
+    )
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(llama_config)
+    return llama, from_llama(llama, variant=setup.variant)
+
+
+def compare_with_llama(setup: SpeedSetup, log: Callable[[str], None] = print) -> SpeedReport:
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    llama, zoo = build_pair(setup)
+    report = SpeedReport(setup=copy.deepcopy(setup), parameters=sum(p.numel() for p in zoo.parameters()))
+    metrics = {
+        f"training (batch {setup.train_batch_size} x {setup.train_seq_len})": lambda m: training_tokens_per_second(
+            m, setup.train_batch_size, setup.train_seq_len, setup.train_steps, setup.vocab_size
+        )
+    }
+    for batch_size in setup.decode_batch_sizes:
+        metrics[f"generate decode (batch {batch_size}, prompt {setup.prompt_len}, {setup.new_tokens} new)"] = (
+            lambda m, b=batch_size: decode_tokens_per_second(
+                m, b, setup.prompt_len, setup.new_tokens, setup.vocab_size, setup.decode_runs
+            )
+        )
+
+    def progress(repeat: int, samples: dict) -> None:
+        ratios = ", ".join(f"{s['zoo'][-1] / s['llama'][-1]:.3f}" for s in samples.values())
+        log(f"repeat {repeat + 1}/{setup.repeats}: zoo / Llama {ratios}")
+
+    report.samples = alternate({"llama": llama, "zoo": zoo}, metrics, setup.repeats, after_repeat=progress)
+    return report
+
+
+def run_llama(setup: SpeedSetup) -> SpeedReport:
+    report = compare_with_llama(setup)
+    write_results(setup.output_dir, f"speed_{setup.variant}_vs_llama", report.as_dict(), report.table())
+    return report
+
+
+@dataclass
+class TrainingThroughputSetup(Results):
+    """Training tokens/s of every variant's preset against LlamaForCausalLM of the same width, depth, MLP and heads."""
+
+    variants: list[str] = field(default_factory=list, metadata={"help": "variants (default: all registered)"})
+    size: str = field(default="small", metadata={"help": "preset size: tiny, small or base"})
+    vocab_size: int = field(default=8192, metadata={"help": "vocabulary of both models"})
+    batch_size: int = field(default=8, metadata={"help": "training batch size"})
+    seq_len: int = field(default=256, metadata={"help": "training sequence length"})
+    steps: int = field(default=3, metadata={"help": "timed steps per sample; the fastest counts"})
+    repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
+
+
+def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], None] = print) -> list[dict]:
+    """Training tokens/s of each variant's preset and of the same-size Llama, alternating, in this process."""
+    rows = []
+    for name in setup.variants or list(VARIANTS):
+        torch.manual_seed(0)
+        zoo = get_variant(name).build(setup.size, vocab_size=setup.vocab_size)
+        llama = LlamaForCausalLM(llama_like(zoo.config))
+        measure = lambda model: training_tokens_per_second(  # noqa: E731
+            model, setup.batch_size, setup.seq_len, setup.steps, setup.vocab_size
+        )
+        samples = alternate({"zoo": zoo, "llama": llama}, {"training": measure}, setup.repeats)["training"]
+        row = {"variant": name, "parameters": sum(p.numel() for p in zoo.parameters())}
+        row.update(compare(samples, "tokens_per_second"))
+        rows.append(row)
+        log(
+            f"{name:15s} {row['tokens_per_second_zoo']:8,.0f} tokens/s, Llama {row['tokens_per_second_llama']:8,.0f}"
+            f" ({row['tokens_per_second_ratio']:.2f}x)"
+        )
+    return rows
+
+
+def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) -> str:
+    lines = [
+        f"Training tokens/s, `{setup.size}` presets (vocabulary {setup.vocab_size}), batch {setup.batch_size} x "
+        f"{setup.seq_len}, forward + backward + AdamW, one process, {torch.get_num_threads()} CPU threads; "
+        f"`LlamaForCausalLM` at the same width, depth, MLP and head counts, alternating in the same process, "
+        f"medians of {setup.repeats} best-of-{setup.steps}-steps samples.",
+        "",
+        "| variant | parameters | zoo tokens/s | Llama tokens/s | zoo / Llama |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| `{row['variant']}` | {row['parameters'] / 1e6:.1f}M | {row['tokens_per_second_zoo']:,.0f} "
+            f"| {row['tokens_per_second_llama']:,.0f} | {row['tokens_per_second_ratio']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def run_training_throughput(setup: TrainingThroughputSetup) -> list[dict]:
+    rows = training_throughput(setup)
+    write_results(setup.output_dir, f"training_throughput_{setup.size}", rows, training_throughput_table(rows, setup))
+    return rows
+
+
+BENCHMARKS = {
+    "llama": Benchmark(SpeedSetup, run_llama),
+    "training": Benchmark(TrainingThroughputSetup, run_training_throughput),
+}
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARKS))
