@@ -366,6 +366,19 @@ def save_final(trainer: Trainer, summary: dict, details: dict) -> Path:
     return final
 
 
+def check_validation_fills_a_batch(blocks: int, data_args: DataArguments, training_args: TrainingArguments) -> None:
+    """With `dataloader_drop_last` the evaluation drops a partial batch; fewer validation blocks than one batch would
+    leave it empty, and the run would end without a validation loss. Refused before training."""
+    per_device, processes = training_args.per_device_eval_batch_size, training_args.world_size
+    if training_args.dataloader_drop_last and blocks < per_device * processes:
+        raise ValueError(
+            f"the validation text gives {blocks} block(s) of data.block_size={data_args.block_size} tokens, fewer "
+            f"than one evaluation batch (training.per_device_eval_batch_size={per_device} x {processes} process(es)) "
+            f"with training.dataloader_drop_last: add validation text (data.validation_files, "
+            f"data.validation_fraction) or lower training.per_device_eval_batch_size."
+        )
+
+
 def run_training(
     model_args: ModelArguments,
     data_args: DataArguments,
@@ -389,6 +402,7 @@ def run_training(
         tokenizer, train_blocks, validation_blocks, unigram = prepare_data(data_args)
         if training_args.process_index == 0:
             tokenizer.save_pretrained(shared_tokenizer)
+    check_validation_fills_a_batch(len(validation_blocks), data_args, training_args)
     model = build_model(model_args, tokenizer, data_args.block_size)
     tokens_per_step = (
         training_args.per_device_train_batch_size

@@ -93,6 +93,11 @@ def test_bad_input_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         tiny_run(tmp_path / "c", "--data.block_size", 300)  # the tiny preset has 256 positions
     assert not list((tmp_path / "c").glob("checkpoint-*"))
+    short = tmp_path / "short.txt"  # one block of validation for batches of 8: the evaluation would be empty
+    short.write_text("x = 1\n" * 30)
+    with pytest.raises(ValueError, match="per_device_eval_batch_size"):
+        tiny_run(tmp_path / "d", "--data.validation_files", short, "--training.dataloader_drop_last", "true")
+    assert not list((tmp_path / "d").glob("checkpoint-*"))
 
 
 class StopAt(TrainerCallback):
