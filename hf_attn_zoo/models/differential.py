@@ -34,8 +34,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
 
 from .configuration_zoo import ZooConfig, sized
+from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    ZooAttention,
     ZooForCausalLM,
     ZooForQuestionAnswering,
     ZooForSequenceClassification,
@@ -69,7 +69,7 @@ class ZooDifferentialConfig(ZooConfig):
         super().__post_init__(**kwargs)
 
 
-class ZooDifferentialAttention(ZooAttention):
+class ZooDifferentialAttention(ZooMultiHeadAttention):
     """Queries and keys of two maps per head (`(B, 2H, T, d)`, `(B, 2G, T, d)`: map i of head h at 2h + i), values
     `(B, G, T, 2d)`; the two maps through the backend, subtracted with the layer's λ, normalised per head. The cache
     holds a key/value head's two key maps side by side, `(B, G, T, 2d)`, as wide as its value (transformers' static
@@ -77,6 +77,7 @@ class ZooDifferentialAttention(ZooAttention):
 
     family = "differential"
     backends = ("eager", "sdpa")
+    compiles_fullgraph = False  # not run compiled in this project
     attention_weights_sum_to_one = False  # rows of A1 - λ·A2 sum to 1 - λ
     sized_by: ClassVar[dict[str, str]] = {
         "q_proj": "num_attention_heads, head_dim (two maps), hidden_size",
@@ -87,26 +88,27 @@ class ZooDifferentialAttention(ZooAttention):
         "head_norm": "head_dim (2 * head_dim)",
     }
 
+    @classmethod
+    def query_key_width(cls, config: ZooDifferentialConfig) -> int:
+        return 2 * config.head_dim  # a head's two maps, side by side
+
+    @classmethod
+    def value_width(cls, config: ZooDifferentialConfig) -> int:
+        return 2 * config.head_dim
+
+    @classmethod
+    def rotary_dim(cls, config: ZooDifferentialConfig) -> int:
+        return config.head_dim  # each map rotates on its own
+
     def __init__(self, config: ZooDifferentialConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        self.head_dim = config.head_dim  # d: one query/key map
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # read by the attention kernels
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        hidden, bias, width = config.hidden_size, config.attention_bias, 2 * self.head_dim
-        self.q_proj = nn.Linear(hidden, self.num_heads * width, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * width, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * width, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * width, hidden, bias=bias)
+        super().__init__(config, layer_idx)  # GQA projections at the widths above
+        self.scaling = self.head_dim**-0.5  # a map's scores are d-wide dot products
         # λ's reparameterisation: four d-vectors per layer, and λ_init by depth (layer l = layer_idx + 1)
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
             nn.Parameter(torch.empty(self.head_dim)) for _ in range(4)
         )
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
-        self.head_norm = ZooRMSNorm(width, eps=config.rms_norm_eps)
+        self.head_norm = ZooRMSNorm(self.value_dim, eps=config.rms_norm_eps)
 
     def init_parameters(self, config: ZooDifferentialConfig) -> None:
         for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):

@@ -46,7 +46,7 @@ class ZooMultiHeadAttention(ZooAttention):
     `forward` projects, applies RoPE, writes the cache and calls `attend`, the kernel: here softmax attention through
     transformers' `ALL_ATTENTION_FUNCTIONS`. Variants with other kernels (sliding window, top-k, additive) subclass
     this and override `attend` (and the protocol answers that change); queries and keys are
-    `query_key_width(config)` wide, values `head_dim`.
+    `query_key_width(config)` wide, values `value_width(config)` (both `head_dim` here).
     """
 
     family = "mha"
@@ -63,6 +63,7 @@ class ZooMultiHeadAttention(ZooAttention):
         super().__init__(config, layer_idx)
         self.head_dim = config.head_dim
         self.query_key_dim = self.query_key_width(config)
+        self.value_dim = self.value_width(config)
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads  # read by the attention kernels
@@ -72,8 +73,8 @@ class ZooMultiHeadAttention(ZooAttention):
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.query_key_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.query_key_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.value_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.value_dim, hidden, bias=bias)
 
     def forward(
         self,
@@ -102,7 +103,7 @@ class ZooMultiHeadAttention(ZooAttention):
         # (B, T, heads * width) -> (B, T, heads, width) -> (B, heads, T, width)
         query = self.q_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
         key = self.k_proj(hidden_states).view(*input_shape, -1, self.query_key_dim).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(*input_shape, -1, self.value_dim).transpose(1, 2)
         if position_embeddings is not None:
             query, key = apply_rotary(query, key, *position_embeddings)
         return query, key, value

@@ -178,7 +178,12 @@ class ZooAttention(ZooModule):
 
     @classmethod
     def query_key_width(cls, config: ZooConfig) -> int:
-        """Width of a query or key head (that of a value head is `head_dim`)."""
+        """Width of a query or key head."""
+        return config.head_dim
+
+    @classmethod
+    def value_width(cls, config: ZooConfig) -> int:
+        """Width of a value head, and of a head's output."""
         return config.head_dim
 
     @classmethod
