@@ -133,8 +133,8 @@ class ZooAttention(ZooModule):
     Contract: `forward(hidden_states, attention_mask, position_embeddings, past_key_values, **kwargs)` maps
     `(B, T, hidden_size)` to `(output (B, T, hidden_size), attention weights (B, H, T, S) or None)`. It writes its
     cache with `past_key_values.update(..., self.layer_idx)` (or into its state layer) and ends with `o_proj`, the
-    projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is the RoPE
-    `(cos, signed_sin)` pair for `apply_rotary` at width `rotary_dim(config)` when `position_embedding_type ==
+    projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is Llama's RoPE
+    `(cos, sin)` pair for `apply_rotary` at width `rotary_dim(config)` when `position_embedding_type ==
     "rope"`, else None; ALiBi arrives inside `attention_mask`; `position_ids` (true positions) and the resolved
     `output_attentions` come in `kwargs`.
     """
@@ -238,8 +238,9 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        # keywords, as Llama's layer passes them: hooks registered `with_kwargs` (kvpress) find `hidden_states`
         attn_output, _ = self.self_attn(
-            self.input_layernorm(hidden_states),
+            hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
             past_key_values=past_key_values,

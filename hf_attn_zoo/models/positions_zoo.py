@@ -19,10 +19,11 @@ from .configuration_zoo import ZooConfig
 
 
 class ZooRotaryEmbedding(LlamaRotaryEmbedding):
-    """Llama's rotary embedding (so every transformers `rope_type` works) at width `dim`, returning
-    `(cos, signed_sin)` where `signed_sin` carries the sign of `rotate_half` (-sin on the first half of the channels,
-    +sin on the second). `dim` is the variant's rotary width (`ZooAttention.rotary_dim`), `config.head_dim` unless the
-    variant's queries and keys are narrower or wider than its values."""
+    """Llama's rotary embedding (so every transformers `rope_type` works) at width `dim`, returning exactly what
+    Llama's returns, `(cos, sin)` of shape `(B, T, dim)`: clients that rebuild rotated queries with transformers'
+    `apply_rotary_pos_emb` (kvpress's presses) read it. `dim` is the variant's rotary width
+    (`ZooAttention.rotary_dim`), `config.head_dim` unless the variant's queries and keys are narrower or wider than
+    its values."""
 
     def __init__(self, config: ZooConfig, dim: int | None = None) -> None:
         if dim is not None and dim != config.head_dim:
@@ -30,20 +31,17 @@ class ZooRotaryEmbedding(LlamaRotaryEmbedding):
             config.head_dim = dim
         super().__init__(config=config)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = super().forward(x, position_ids)  # (B, T, d) each; both halves hold the same frequencies
-        half = sin.shape[-1] // 2
-        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
 
 def apply_rotary(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE with transformers' pairing (channel i rotates with channel i + d/2) on `(B, heads, T, d)`:
-    `x * cos + rotate_half(x) * sin`, where `rotate_half(x) * sin == roll(x, d/2) * signed_sin`. Three ops per
-    tensor instead of Llama's five: half the time of `apply_rotary_pos_emb` on CPU."""
-    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # broadcast over heads
+    `x * cos + rotate_half(x) * sin`, computed as `x * cos + roll(x, d/2) * signed_sin` where `signed_sin` carries
+    `rotate_half`'s sign (-sin on the first half of the channels, +sin on the second). The sign is folded once per
+    layer on `(B, T, d)`; each of query and key then costs three ops instead of `apply_rotary_pos_emb`'s five."""
     half = query.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)  # (B, 1, T, d)
+    cos = cos.unsqueeze(1)  # broadcast over heads
     query = torch.addcmul(query * cos, query.roll(half, dims=-1), signed_sin)
     key = torch.addcmul(key * cos, key.roll(half, dims=-1), signed_sin)
     return query, key
@@ -82,7 +80,10 @@ def key_positions(query_positions: torch.LongTensor, past_length: int) -> torch.
 
 
 def default_position_ids(
-    inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None, past_length: int, count_real_tokens: bool
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_length: int | torch.Tensor,
+    count_real_tokens: bool,
 ) -> torch.LongTensor:
     """Positions when none are given. With `count_real_tokens` (absolute positions, ALiBi, kernels that index
     parameters by position) and a 2D mask, positions count real tokens only, so a left-padded row sees what it sees
@@ -91,4 +92,6 @@ def default_position_ids(
     if count_real_tokens and attention_mask is not None and attention_mask.ndim == 2:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, past + T)
         return position_ids[:, -seq_length:]
-    return torch.arange(past_length, past_length + seq_length, device=inputs_embeds.device).unsqueeze(0)
+    # `arange(T) + past` rather than `arange(past, past + T)`: a static cache's length is a tensor, which export
+    # traces as data, not as a bound of the range
+    return (torch.arange(seq_length, device=inputs_embeds.device) + past_length).unsqueeze(0)
