@@ -1,6 +1,8 @@
 """Shared fixtures of the test suite: tiny configs for every registered variant and padded batches."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +166,36 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def works_with(request):
+    """`works_with(client, variant)` records that a real client test passed for a variant; with `refused=reason`, that
+    the variant refused the client up front as the test asserted. `tests/works_with.py` runs the client tests with
+    `--works-with PATH` and renders README's "Works with" table from what they recorded."""
+    outcomes = request.config.stash.setdefault(WORKS_WITH, {})
+
+    def record(client: str, variant: str, refused: str | None = None) -> None:
+        outcomes.setdefault(client, {})[variant] = f"refused: {refused}" if refused else "works"
+
+    return record
+
+
+WORKS_WITH = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--works-with",
+        metavar="PATH",
+        help="write what the client tests recorded (client -> variant -> works / refused: reason) to PATH as JSON",
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--works-with")
+    if path:
+        Path(path).write_text(json.dumps(session.config.stash.get(WORKS_WITH, {}), indent=1, sort_keys=True) + "\n")
 
 
 def pytest_configure(config):

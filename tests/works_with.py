@@ -1,0 +1,89 @@
+"""README's "Works with" table: which clients that transformers users bring run on which variant, as the client tests
+found it. Nothing in the table is written by hand.
+
+    python tests/works_with.py            run the client tests (slow ones included), then rewrite works_with.json
+                                          and the table in README.md from what they recorded
+    python tests/works_with.py --render   rewrite README's table from works_with.json alone
+
+A client test calls the `works_with` fixture (conftest.py) once it has checked a variant: `works_with(client,
+variant)` when the real client gave the variant's own results, `works_with(client, variant, refused=reason)` when the
+variant refused it up front, as the test asserted. The table is written only from a run in which every test passed.
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+README = TESTS.parent / "README.md"
+RESULTS = TESTS / "works_with.json"
+START, END = "<!-- works-with:start -->", "<!-- works-with:end -->"
+
+# client key (what tests record) -> column heading; the columns' order
+CLIENTS = {
+    "trl": "TRL SFT packing / padding-free",
+    "serve": "`transformers serve`",
+    "serve-cb": "serve, continuous batching",
+    "executorch": "ExecuTorch static-cache export",
+    "export": "`torch.export`, dynamic batch × length",
+    "onnx": "ONNX in onnxruntime",
+    "kvpress": "kvpress presses",
+}
+# the test files that record outcomes
+CLIENT_TESTS = ["tests/test_clients.py", "tests/test_serving.py", "tests/test_export.py", "tests/test_floor.py"]
+
+
+def render(results: dict[str, dict[str, str]]) -> str:
+    """A markdown table, one row per variant, one column per client; refusals become footnotes with their reason."""
+    variants = sorted({variant for outcomes in results.values() for variant in outcomes})
+    clients = [client for client in CLIENTS if client in results]
+    reasons: list[str] = []
+    lines = ["| variant | " + " | ".join(CLIENTS[c] for c in clients) + " |", "|---" * (len(clients) + 1) + "|"]
+    for variant in variants:
+        cells = []
+        for client in clients:
+            outcome = results[client].get(variant, "not tested")
+            if outcome.startswith("refused: "):
+                reason = outcome.removeprefix("refused: ")
+                if reason not in reasons:
+                    reasons.append(reason)
+                outcome = f"refused [{reasons.index(reason) + 1}]"
+            cells.append(outcome)
+        lines.append(f"| `zoo_{variant}` | " + " | ".join(cells) + " |")
+    lines += [""] + [f"[{i}] {reason}" for i, reason in enumerate(reasons, 1)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def readme_table(readme: str) -> str:
+    """The table between the markers in README.md."""
+    if START not in readme or END not in readme:
+        raise ValueError(f"README.md has no {START} ... {END} section for the table")
+    return readme.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+
+
+def write_readme(results: dict[str, dict[str, str]]) -> None:
+    readme = README.read_text()
+    before, rest = readme.split(START, 1)
+    after = rest.split(END, 1)[1]
+    README.write_text(f"{before}{START}\n{render(results)}{END}{after}")
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["--render"]:
+        with tempfile.TemporaryDirectory() as folder:
+            recorded = Path(folder) / "works_with.json"
+            command = [sys.executable, "-m", "pytest", "-q", "-m", "slow or not slow", *CLIENT_TESTS]
+            returncode = subprocess.call([*command, "--works-with", str(recorded)], cwd=TESTS.parent)
+            if returncode != 0:
+                print("some client tests failed; the table is left as it was", file=sys.stderr)
+                return returncode
+            RESULTS.write_text(recorded.read_text())
+    write_readme(json.loads(RESULTS.read_text()))
+    print(f"wrote {RESULTS.relative_to(TESTS.parent)} and the table in README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
