@@ -73,6 +73,10 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
         self.score_vector = nn.Parameter(torch.empty(self.num_heads, config.additive_dim))
 
     @classmethod
+    def continuous_batching_refusal(cls, config: ZooAdditiveConfig) -> str:
+        return "its scores are v·tanh(q + k), which transformers' paged-attention functions do not compute"
+
+    @classmethod
     def query_key_width(cls, config: ZooAdditiveConfig) -> int:
         return config.additive_dim  # queries and keys live in the tanh layer's width
 

@@ -89,6 +89,11 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
     }
 
     @classmethod
+    def continuous_batching_refusal(cls, config: ZooDifferentialConfig) -> str:
+        # each of its two attention calls would write the layer's keys into the paged cache, the second over the first
+        return "it runs two attention maps per layer, and transformers' paged cache holds one per layer"
+
+    @classmethod
     def query_key_width(cls, config: ZooDifferentialConfig) -> int:
         return 2 * config.head_dim  # a head's two maps, side by side
 

@@ -108,6 +108,10 @@ def attention_mask_for(
 ) -> torch.Tensor | BlockwiseCausalMask | TokenMask | None:
     """The `attention_mask` every layer of a model built around `attention_class` receives (module docstring)."""
     kind = attention_class.mask_kind(config, inputs_embeds.shape[1], output_attentions)
+    if attention_mask is not None and attention_mask.ndim == 4 and attention_class.mask_type == "dense":
+        # a mask built outside the model (continuous batching packs requests and builds it from its paged cache) is
+        # used as it is: a variant whose own kind is dense stays on that path rather than switching to its banded one
+        kind = "dense"
     if kind == "dense":
         return dense_mask(attention_class, config, inputs_embeds, attention_mask, past_key_values, position_ids)
     if attention_mask is not None and attention_mask.ndim != 2:

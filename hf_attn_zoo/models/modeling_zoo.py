@@ -198,6 +198,17 @@ class ZooAttention(ZooModule):
         return True
 
     @classmethod
+    def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
+        """Why transformers' continuous batching cannot run this variant exactly (a short clause), or None when it can.
+
+        Continuous batching packs the requests into one row and keeps keys and values in a paged cache, which only
+        transformers' attention functions (`ALL_ATTENTION_FUNCTIONS`: paged|eager, sdpa, flash) write and read, from
+        the packed-batch keywords they receive. A kernel of its own never sees that cache: refused by default."""
+        if cls.decodes_from_state():
+            return "it decodes from a running state per layer, which transformers' paged key/value cache cannot hold"
+        return "its kernel is its own, not one of transformers' paged-attention functions"
+
+    @classmethod
     def share_across_layers(cls, model: "ZooModel") -> None:
         """Parameters all layers share (Linformer's layerwise projection): built on `model` before initialisation
         and handed to its layers; none by default."""

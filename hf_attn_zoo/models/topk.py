@@ -54,6 +54,10 @@ class ZooTopKAttention(ZooMultiHeadAttention):
     compiles_fullgraph = False
     mask_type = "blockwise"
 
+    @classmethod
+    def continuous_batching_refusal(cls, config: ZooTopKConfig) -> str:
+        return "it keeps each query's top-k scores, which transformers' paged-attention functions do not select"
+
     def attend(self, query, key, value, attention_mask: BlockwiseCausalMask, **kwargs):
         # (B, G, S, d) -> (B, H, S, d): each query head reads its group's key/value head
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
