@@ -7,6 +7,7 @@
     hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap
     hf-attn-zoo convert SRC OUT --to gqa|mqa [--num_key_value_heads G] [--method mean]   pool key/value heads
     hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
+    hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
                                           generate a sample, save and reload it
     hf-attn-zoo bench NAME [options]      a benchmark of the repository's benchmarks/ folder (`bench --help` lists
@@ -260,6 +261,30 @@ def push_command(options: PushOptions) -> None:
     print(push_checkpoint(options.checkpoint, options.repo, options.revision, options.private))
 
 
+# serve
+
+
+@dataclass
+class ServeOptions:
+    checkpoint: str = positional("checkpoint folder (model and tokenizer, as save_pretrained writes them)")
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    host: str = field(default="localhost", metadata={"help": "address to listen on"})
+    continuous_batching: bool = field(
+        default=False, metadata={"help": "transformers' continuous batching (paged attention); refused where inexact"}
+    )
+    attn_implementation: str | None = field(default=None, metadata={"help": "attention backend: eager, sdpa ..."})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda:0 ..."})
+    dtype: str = field(default="auto", metadata={"help": "weights dtype; auto: as saved"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with a non-zoo model"})
+    log_level: str = field(default="warning", metadata={"help": "transformers' log level"})
+
+
+def serve_command(options: ServeOptions) -> int:
+    from .serving import serve
+
+    return serve(**dataclasses.asdict(options))
+
+
 # bench
 
 
@@ -364,6 +389,11 @@ COMMANDS = {
         "upload a saved checkpoint folder (model, tokenizer, model card) to a Hugging Face Hub model repo",
         push_command,
         PushOptions,
+    ),
+    "serve": Command(
+        "serve a checkpoint with transformers' OpenAI-compatible server (chat, streaming, completions)",
+        serve_command,
+        ServeOptions,
     ),
     "demo": Command(
         "train a small model on Python's standard library, score it, generate, save and reload it",

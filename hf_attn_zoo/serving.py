@@ -1,0 +1,94 @@
+"""`hf-attn-zoo serve CHECKPOINT`: a saved checkpoint behind transformers' own OpenAI-compatible server.
+
+transformers' `serve` (`transformers.cli.serve.Serve`, the `[serving]` extra: FastAPI and uvicorn) answers
+`/v1/chat/completions` (streamed or not), `/v1/completions`, `/v1/models` and `/health`. Run as `transformers serve`
+it cannot load a zoo checkpoint, even with `--trust-remote-code`: it looks the model class up by the name in
+`config.architectures` on the `transformers` module, where only transformers' own models are. This command imports
+the package (which registers every variant), puts the variants' causal-LM classes on that module under their names,
+and then starts that same server, in this process, preloaded with the checkpoint.
+
+With `--continuous_batching`, transformers packs concurrent requests into one row and keeps keys and values in a
+paged cache that only its attention functions (`ALL_ATTENTION_FUNCTIONS`) write and read. Each variant's attention
+class says whether it can run exactly that way (`ZooAttention.continuous_batching_refusal`); one that cannot is
+refused here, before the server starts, with one line saying why and what to run instead, rather than answering
+with text its own `generate()` would not give or killing the server's batching worker.
+"""
+
+import sys
+from pathlib import Path
+
+import transformers
+from transformers import AutoConfig
+
+from .models import VARIANTS, ZooAttention
+
+
+def attention_class_of(config) -> type[ZooAttention] | None:
+    """The attention class of a zoo config's variant; None for a model that is not a zoo variant."""
+    return next((v.attention_class for v in VARIANTS.values() if v.model_type == config.model_type), None)
+
+
+def continuous_batching_refusal(checkpoint: str | Path, trust_remote_code: bool = False) -> str | None:
+    """The one line refusing continuous batching for `checkpoint`, or None when its variant runs exactly under it (or
+    it is not a zoo model: transformers' own models answer for themselves)."""
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    attention = attention_class_of(config)
+    reason = attention.continuous_batching_refusal(config) if attention is not None else None
+    if reason is None:
+        return None
+    return (
+        f"hf-attn-zoo serve: {config.model_type} cannot be served with --continuous_batching: {reason}; serve it "
+        f"without --continuous_batching (requests then run through its own generate())."
+    )
+
+
+def make_zoo_classes_reachable() -> None:
+    """Put every variant's causal-LM class on the `transformers` module under its own name, which is where
+    transformers' server looks up `config.architectures[0]`; transformers' own names are never replaced."""
+    for variant in VARIANTS.values():
+        cls = variant.causal_lm_class
+        if not hasattr(transformers, cls.__name__):
+            setattr(transformers, cls.__name__, cls)
+
+
+def serve(
+    checkpoint: str | Path,
+    port: int = 8000,
+    host: str = "localhost",
+    continuous_batching: bool = False,
+    attn_implementation: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    log_level: str = "warning",
+) -> int:
+    """Start transformers' server preloaded with `checkpoint`; blocks until it is stopped. Returns 2, after one line on
+    stderr, when the server cannot start (continuous batching refused, serving extra missing)."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        print(
+            "hf-attn-zoo serve: transformers' server needs FastAPI and uvicorn: pip install 'hf-attn-zoo[serving]'",
+            file=sys.stderr,
+        )
+        return 2
+    if continuous_batching:
+        refusal = continuous_batching_refusal(checkpoint, trust_remote_code)
+        if refusal is not None:
+            print(refusal, file=sys.stderr)
+            return 2
+    make_zoo_classes_reachable()
+    from transformers.cli.serve import Serve
+
+    Serve(
+        force_model=str(checkpoint),
+        continuous_batching=continuous_batching,
+        attn_implementation=attn_implementation,
+        device=device,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        host=host,
+        port=port,
+        log_level=log_level,
+    )
+    return 0
