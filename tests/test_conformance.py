@@ -250,7 +250,10 @@ def test_gradient_checkpointing_same_loss_and_gradients(name, position):
     for checkpointing in (False, True):
         model = tiny_model(name, position).train()
         if checkpointing:
-            model.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable()  # non-reentrant torch.utils.checkpoint
+            else:  # transformers < 5.3 names it gradient_checkpointing_enable
+                model.gradient_checkpointing_enable({"use_reentrant": False})
             assert all(layer.gradient_checkpointing for layer in model.model.layers)
         loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()

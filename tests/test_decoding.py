@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from hf_attn_zoo.decoding import generate_compiled, static_cache
 from hf_attn_zoo.models import VARIANTS
@@ -20,6 +22,15 @@ def prompts(tokenizer):
     return tokenizer(PROMPTS, return_tensors="pt", padding=True)
 
 
+# The floor of pyproject.toml is older: there a static cache's length is a guess from the non-zero slots of row 0, so
+# a left-padded batch gives the zoo's masks a wrong past length (the static cache's own mask reads cache_position).
+STATIC_CACHE_LENGTH = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.3"),
+    reason="transformers < 5.3: StaticCache.get_seq_length counts non-zero slots of row 0, wrong for left padding",
+)
+
+
+@STATIC_CACHE_LENGTH
 @pytest.mark.parametrize(
     "name, position",
     [
@@ -37,6 +48,7 @@ def test_static_cache_generates_the_tokens_of_the_dynamic_cache(name, position):
     torch.testing.assert_close(static, dynamic, rtol=0, atol=0)
 
 
+@STATIC_CACHE_LENGTH
 @pytest.mark.parametrize("name", ["gqa", "sliding_window"])
 def test_compiled_decode_step_generates_the_tokens_of_the_dynamic_cache(name):
     model, tokenizer = byte_model(name)

@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -251,7 +253,8 @@ def test_assisted_decoding_gives_the_greedy_tokens(name):
     input_ids, _, _ = left_padded_batch(lengths=(7,))
     greedy = model.generate(input_ids, generation_config=GREEDY)
     assert torch.equal(model.generate(input_ids, generation_config=GREEDY, assistant_model=assistant), greedy)
-    assert torch.equal(model.generate(input_ids, generation_config=GREEDY, prompt_lookup_num_tokens=2), greedy)
+    if Version(transformers.__version__) >= Version("5.3"):  # before, prompt lookup fails on eos_token_id=None
+        assert torch.equal(model.generate(input_ids, generation_config=GREEDY, prompt_lookup_num_tokens=2), greedy)
 
 
 def test_a_non_causal_linformer_refuses_to_generate():

@@ -38,13 +38,18 @@ class ZooStateLayer(CacheLayerMixin):
         self.seen_tokens += new_tokens
         self.is_initialized = True
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.3 passes the new tokens' cache positions
+            query_length = query_length.shape[0]
         return self.seen_tokens + query_length, 0
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the same question under its name before transformers 5.3
         return -1
 
     def reset(self) -> None:
@@ -73,6 +78,34 @@ class ZooStateLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         if self.state and self.device is not None:
             self.state = {name: t.to(self.device, non_blocking=True) for name, t in self.state.items()}
+
+    # A state layer has no per-token keys and values. Tools that read or rewrite `cache.layers[i].keys` (kvpress's
+    # presses evict cached tokens by score) would otherwise get None and fail far from the cause, or drop tokens that
+    # a running sum has already folded in: reading them is an AttributeError saying why (`hasattr` is then False).
+    @property
+    def keys(self) -> torch.Tensor:
+        raise AttributeError(self._no_keys_and_values("keys"))
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:  # `CacheLayerMixin.__init__` sets None
+            raise AttributeError(self._no_keys_and_values("keys"))
+
+    @property
+    def values(self) -> torch.Tensor:
+        raise AttributeError(self._no_keys_and_values("values"))
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError(self._no_keys_and_values("values"))
+
+    def _no_keys_and_values(self, name: str) -> str:
+        return (
+            f"{type(self).__name__} has no per-token {name}: this variant decodes from a running state per layer "
+            f"that folds in every token seen, not a cache of one key and value per token, so tools that read or "
+            f"evict cached tokens (KV cache compression such as kvpress's presses) cannot apply to it."
+        )
 
     @property
     def device(self) -> torch.device | None:

@@ -17,8 +17,9 @@ This module is copied next to every saved checkpoint (see `save_pretrained`), so
 import math
 from typing import ClassVar
 
-from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
+
+from .compat_zoo import ZooConfigBase
 
 POSITION_EMBEDDING_TYPES = ("rope", "alibi", "sinusoidal", "learned", "none")
 NORM_TYPES = ("rmsnorm", "layernorm")
@@ -42,7 +43,7 @@ def sized(**fields: tuple) -> dict[str, dict]:
     }
 
 
-class ZooConfig(PreTrainedConfig):
+class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback before 5.4: compat_zoo)
     r"""
     Base configuration of the zoo decoder backbone: a pre-norm transformer whose attention is chosen by the variant.
 

@@ -33,6 +33,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
 
+from .compat_zoo import cache_update_args
 from .configuration_zoo import ZooConfig, sized
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
@@ -143,7 +144,8 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
         # (B, 2G, T, d) -> (B, T, 2G, d) -> (B, T, G, 2d) -> (B, G, T, 2d): maps 2g and 2g + 1 side by side
         key = key.transpose(1, 2).reshape(batch, length, -1, 2 * self.head_dim).transpose(1, 2)
         if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)  # (B, G, S, 2d) each
+            # (B, G, S, 2d) each
+            key, value = past_key_values.update(key, value, self.layer_idx, *cache_update_args(kwargs))
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

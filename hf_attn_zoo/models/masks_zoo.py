@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 from transformers.masking_utils import find_packed_sequence_indices
 
+from .compat_zoo import build_mask, cache_mask_sizes
 from .configuration_zoo import ZooConfig
 from .positions_zoo import alibi_slopes, key_positions
 
@@ -146,7 +147,8 @@ def dense_mask(
             f"{config._attn_implementation!r} backend cannot take; load the model with attn_implementation='sdpa' or "
             f"'eager', or use position_embedding_type='rope'."
         )
-    mask = attention_class.dense_mask_function(
+    mask = build_mask(  # transformers' builder, through the fallback for older releases (compat_zoo)
+        attention_class.dense_mask_function,
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
@@ -178,7 +180,7 @@ def blockwise_mask(
     batch_size, query_length = inputs_embeds.shape[:2]
     key_length, past_length = query_length, 0
     if past_key_values is not None:
-        key_length, _ = past_key_values.get_mask_sizes(query_length, 0)
+        key_length, _ = cache_mask_sizes(past_key_values, query_length, 0)
         # The queries follow the cached tokens. A rolling (sliding) cache holds only the last of them; a static cache
         # is longer than what it holds, and its slots after the queries are empty (causality hides them).
         past_length = min(int(past_key_values.get_seq_length()), key_length - query_length)

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
+from .compat_zoo import cache_update_args
 from .configuration_zoo import HEADS, ZooConfig, sized
 from .modeling_zoo import (
     BACKENDS,
@@ -100,7 +101,9 @@ class ZooMultiHeadAttention(ZooAttention):
 
         if past_key_values is not None:
             # (B, G, S, d_h): everything cached so far, this step included
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            key_states, value_states = past_key_values.update(
+                key_states, value_states, self.layer_idx, *cache_update_args(kwargs)
+            )
 
         attn_output, attn_weights = self.attend(query_states, key_states, value_states, attention_mask, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H, d_h) -> (B, T, H * d_h)

@@ -14,9 +14,9 @@ answer has a default; a variant overrides what differs. The `_supports_*` flags 
 the cache `forward` starts, the mask each layer receives and the width of RoPE all follow from it.
 
 Positions (`positions_zoo.py`), masks (`masks_zoo.py`), the fused loss (`loss_zoo.py`), state caches
-(`cache_zoo.py`), model cards (`cards_zoo.py`) and checkpoint metadata (`checkpoint_zoo.py`) are flat siblings. This
-module is copied next to every saved checkpoint with them (remote code), so it imports only torch, transformers and
-those siblings.
+(`cache_zoo.py`), model cards (`cards_zoo.py`), checkpoint metadata (`checkpoint_zoo.py`) and fallbacks for older
+transformers releases (`compat_zoo.py`) are flat siblings. This module is copied next to every saved checkpoint with
+them (remote code), so it imports only torch, transformers and those siblings.
 """
 
 import functools
@@ -39,7 +39,7 @@ from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
@@ -48,6 +48,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
 from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
+from .compat_zoo import PASSES_CACHE_POSITION, build_mask, slice_logits_to_keep
 from .configuration_zoo import ZooConfig
 from .loss_zoo import causal_lm_loss_fused
 from .masks_zoo import attention_mask_for
@@ -426,8 +427,12 @@ class ZooModel(ZooPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
         if use_cache and past_key_values is None:
             past_key_values = self.make_cache()
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:  # transformers < 5.3: as Llama there
+            kwargs["cache_position"] = torch.arange(
+                past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device
+            )
         if position_ids is None:
-            past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
             count_real_tokens = self.attention_class.reads_positions or self.position_embedding_type in (
                 "alibi",
                 "sinusoidal",
@@ -609,12 +614,14 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         attention = self.model.attention_class
         if attention.mask_kind(config, inputs_embeds.shape[1], False) != "dense":
             return attention_mask
-        return attention.dense_mask_function(
+        return build_mask(  # transformers' builder; before 5.3 it also takes generate's `cache_position`
+            attention.dense_mask_function,
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             position_ids=position_ids,
+            cache_position=kwargs.get("cache_position"),
         )
 
     def _fuse_loss(self, logits_to_keep: int | torch.Tensor) -> bool:

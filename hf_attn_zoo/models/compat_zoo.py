@@ -1,0 +1,130 @@
+"""Names the zoo takes from transformers that older 5.x releases lack, with a fallback where they are missing.
+
+The package supports transformers from the floor in `pyproject.toml` up. Where a newer release added a helper the
+zoo uses, this module imports it when it is there and otherwise defines the same behaviour, so the rest of the models
+folder imports one name and never branches on versions. Like its siblings, it travels next to every saved checkpoint
+(remote code), so it imports only torch and transformers.
+"""
+
+import copy
+import inspect
+import typing
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache
+from transformers.masking_utils import create_causal_mask
+
+try:  # transformers >= 5.3
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers 5.0 - 5.2 sliced inline in every model (`slice(-n, None)` or the given indices)
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        """Keep the positions of `hidden_states` whose logits are wanted, as transformers >= 5.3 does: an int keeps
+        the last `logits_to_keep` (0 keeps all), a 1D tensor those positions for every row, a 2D integer tensor per-row
+        positions, and a 2D boolean mask the `True` positions (flattened to `(num_true, hidden_size)`)."""
+        if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
+            if logits_to_keep.dtype == torch.bool:
+                return hidden_states[logits_to_keep]
+            return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+        if isinstance(logits_to_keep, int):
+            logits_to_keep = slice(-logits_to_keep, None)
+        return hidden_states[:, logits_to_keep, :]
+
+
+# transformers >= 5.4 makes every config a (strict) dataclass: fields are class annotations with defaults, the
+# generated `__init__` sets them and calls `__post_init__(**extra_kwargs)`, and `validate()` runs the field checks.
+# Before 5.4 a config is a plain class whose `__init__(**kwargs)` stores what it is given. `ZooConfigBase` is
+# transformers' class where configs are dataclasses, and otherwise a base that gives the zoo's configs the same
+# construction protocol, so `ZooConfig` is written once, dataclass-style.
+DATACLASS_CONFIGS = hasattr(PreTrainedConfig, "__dataclass_fields__")
+
+if DATACLASS_CONFIGS:
+    ZooConfigBase = PreTrainedConfig
+else:
+
+    class ZooConfigBase(PreTrainedConfig):
+        """Dataclass-style construction on transformers < 5.4: every annotated field of the subclasses (not
+        `ClassVar`s) is set from the keyword or its class default (copied, so mutable defaults are not shared), then
+        `__post_init__` receives the remaining keywords, as the dataclass `__init__` of newer releases does."""
+
+        def __init__(self, **kwargs) -> None:
+            for name, default in _config_fields(type(self)).items():
+                setattr(self, name, kwargs.pop(name) if name in kwargs else copy.deepcopy(default))
+            self.__post_init__(**kwargs)
+
+        def __post_init__(self, **kwargs) -> None:
+            # transformers' own `__init__` handles what is left: label maps, dtype, RoPE keywords (`rope_theta`,
+            # `rope_scaling`), attention implementation, and any extra key stored as an attribute.
+            PreTrainedConfig.__init__(self, **kwargs)
+
+        def validate(self) -> None:
+            """transformers < 5.4 has no field validation of its own; the zoo's checks (overrides) are the whole."""
+
+
+def _config_fields(cls: type) -> dict:
+    """Field name -> class default of a config class: its annotations and its bases' below `ZooConfigBase`."""
+    fields = {}
+    for klass in reversed(cls.__mro__[: cls.__mro__.index(ZooConfigBase)]):
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            is_class_var = typing.get_origin(annotation) is typing.ClassVar or str(annotation).startswith("ClassVar")
+            if not is_class_var:
+                fields[name] = getattr(klass, name, None)
+    return fields
+
+
+def _keep_all(
+    batch_idx: torch.Tensor, head_idx: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+) -> torch.Tensor:
+    return q_idx.new_ones((), dtype=torch.bool)
+
+
+def build_mask(mask_function: Callable, allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
+    """Call transformers' `create_causal_mask` / `create_sliding_window_causal_mask` with the keywords of newer
+    releases. Before 5.3 (no `allow_is_causal_skip` keyword) they need `cache_position`, the positions of the new
+    tokens in the cache, and build a materialised mask when given an extra mask function: an all-true one keeps
+    the mask and forces it out, where the zoo needs it materialised (ALiBi adds its bias to it)."""
+    if "allow_is_causal_skip" in inspect.signature(mask_function).parameters:
+        kwargs.pop("cache_position", None)
+        return mask_function(allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+    if kwargs.get("cache_position") is None:
+        past = kwargs["past_key_values"].get_seq_length() if kwargs.get("past_key_values") is not None else 0
+        length = kwargs["inputs_embeds"].shape[1]
+        kwargs["cache_position"] = torch.arange(past, past + length, device=kwargs["inputs_embeds"].device)
+    if not allow_is_causal_skip:
+        kwargs["and_mask_function"] = _keep_all
+    return mask_function(**kwargs)
+
+
+# Before 5.3 transformers threads `cache_position` (the new tokens' slots in the cache) through every layer: Llama's
+# model builds it when the caller gives none, and attention hooks (kvpress) read it from the attention keywords.
+PASSES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
+
+
+def cache_update_args(attention_kwargs: dict) -> tuple[dict, ...]:
+    """The arguments after `layer_idx` of `Cache.update`: none from 5.3 on; before, the `cache_kwargs` carrying
+    `cache_position`, where a static cache writes the new keys and values (without it, at slot 0 onwards)."""
+    if not PASSES_CACHE_POSITION:
+        return ()
+    return ({"cache_position": attention_kwargs.get("cache_position")},)
+
+
+def cache_mask_sizes(cache: Cache, query_length: int, layer_idx: int) -> tuple[int, int]:
+    """`cache.get_mask_sizes` for `query_length` new tokens: (key length, key offset). Before 5.3 it takes the new
+    tokens' `cache_position` (a tensor of which only the length is read) instead of their count."""
+    if "query_length" in inspect.signature(cache.get_mask_sizes).parameters:
+        return cache.get_mask_sizes(query_length, layer_idx)
+    past = cache.get_seq_length(layer_idx)
+    return cache.get_mask_sizes(torch.arange(past, past + query_length), layer_idx)
+
+
+__all__ = [
+    "DATACLASS_CONFIGS",
+    "PASSES_CACHE_POSITION",
+    "ZooConfigBase",
+    "build_mask",
+    "cache_mask_sizes",
+    "cache_update_args",
+    "slice_logits_to_keep",
+]

@@ -1,0 +1,161 @@
+"""The dependency floor and the clients that need it.
+
+`pyproject.toml` asks for transformers >= FLOOR: the oldest release the suite passes on. A slow test builds a virtual
+environment at exactly that release (with kvpress, whose 0.5 releases ask for transformers < 5.3), runs a core subset
+of the suite and the kvpress tests there, and records what they found for README's "Works with" table.
+
+The kvpress tests below run wherever kvpress imports (so not beside the newest transformers, which kvpress refuses):
+a press keeps on a zoo model exactly what it keeps on `LlamaForCausalLM` with the same weights, and a variant that
+decodes from a running state refuses it with an error that says why.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from test_llama_parity import tiny_llama
+from transformers import DynamicCache
+
+from hf_attn_zoo.convert import from_llama
+from hf_attn_zoo.models import VARIANTS
+
+from conftest import ATOL, VOCAB_SIZE, tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+FLOOR_TESTS = [
+    "tests/test_conformance.py",
+    "tests/test_transformers_contract.py",
+    "tests/test_decoding.py",
+    "tests/test_llama_parity.py",
+    "tests/test_checkpoints.py",
+    "tests/test_floor.py",
+]
+
+
+def transformers_floor() -> str:
+    """The lowest transformers `pyproject.toml` accepts (`transformers>=X,...`)."""
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in dependencies if re.match(r"transformers\b", d)]
+    return re.search(r">=\s*([\w.]+)", spec).group(1)
+
+
+def kvpress_spec() -> str:
+    (spec,) = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["kvpress"]
+    return spec
+
+
+@pytest.mark.slow
+def test_suite_passes_at_the_transformers_floor(tmp_path, works_with):
+    """A fresh venv at the floor (pip's cache and the torch pin of constraints.txt reused), the package with its
+    kvpress extra, the core tests and the kvpress tests: all pass; their client outcomes join this run's table."""
+    floor = transformers_floor()
+    venv = tmp_path / "venv"
+    python = venv / "bin" / "python"
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    install = [str(python), "-m", "pip", "install", "-q", "-c", str(REPO / "constraints.txt")]
+    subprocess.run([*install, "-e", f"{REPO}[dev]", f"transformers=={floor}", kvpress_spec()], check=True)
+    version = subprocess.run(
+        [str(python), "-c", "import transformers, kvpress; print(transformers.__version__)"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert version == floor
+    recorded = tmp_path / "works_with.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *FLOOR_TESTS, "--works-with", str(recorded)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    outcomes_by_client = json.loads(recorded.read_text())
+    assert outcomes_by_client.get("kvpress", {}).get("gqa") == "works", result.stdout[-3000:]  # the kvpress tests ran
+    for client, outcomes in outcomes_by_client.items():
+        for variant, outcome in outcomes.items():
+            works_with(client, variant, refused=outcome.removeprefix("refused: ") if outcome != "works" else None)
+    print(f"transformers {floor}: venv, install and {len(FLOOR_TESTS)} test files in {time.monotonic() - start:.0f} s")
+
+
+# --- kvpress ---------------------------------------------------------------------------------------------------------
+
+PRESSES = ["knorm", "streaming_llm", "expected_attention", "snapkv"]
+STATE_VARIANTS = [name for name, variant in VARIANTS.items() if variant.decodes_from_state]
+PROMPT_LENGTH = 40
+
+
+def make_press(name: str, compression_ratio: float = 0.5):
+    kvpress = pytest.importorskip("kvpress", reason="kvpress 0.5 needs transformers < 5.3 (the floor venv has it)")
+    return {
+        "knorm": lambda: kvpress.KnormPress(compression_ratio=compression_ratio),
+        "streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=compression_ratio, n_sink=4),
+        # fewer future positions than its default 512: the tiny models' max_position_embeddings is 128
+        "expected_attention": lambda: kvpress.ExpectedAttentionPress(
+            compression_ratio=compression_ratio, n_future_positions=64, n_sink=4
+        ),
+        "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=compression_ratio, window_size=8, kernel_size=5),
+    }[name]()
+
+
+def prefill(model, press, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """Prefill under the press, as kvpress's README does; the cache after it, and the next-token logits of one decode
+    step from the compressed cache."""
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids, past_key_values=cache)
+    with torch.no_grad():
+        next_token = torch.full((input_ids.shape[0], 1), 5)
+        logits = model(next_token, past_key_values=cache).logits[:, -1]
+    return cache, logits
+
+
+def prompt(batch_size: int = 2) -> torch.Tensor:
+    """Rows of distinct tokens. In the first layer a key's norm depends on its token alone (RoPE rotates, keeping the
+    norm), so a repeated token ties with itself under KnormPress, and 1e-7 of kernel noise would pick either copy."""
+    generator = torch.Generator().manual_seed(3)
+    rows = [3 + torch.randperm(94, generator=generator)[:PROMPT_LENGTH] for _ in range(batch_size)]
+    return torch.stack(rows)
+
+
+def kept(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("press_name", PRESSES)
+@pytest.mark.parametrize("name, num_key_value_heads", [("gqa", 2), ("mha", 4), ("mqa", 1)])
+def test_press_keeps_what_it_keeps_on_llama(press_name, name, num_key_value_heads, works_with):
+    """The zoo model built from a Llama's weights: after the same prefill under the same press, every layer keeps the
+    same keys and values (hence the same tokens), and the next token's logits agree."""
+    llama = tiny_llama(num_key_value_heads)
+    zoo = from_llama(llama, variant=name)
+    input_ids = prompt()
+    llama_cache, llama_logits = prefill(llama, make_press(press_name), input_ids)
+    zoo_cache, zoo_logits = prefill(zoo, make_press(press_name), input_ids)
+    expected_length = int(PROMPT_LENGTH * 0.5)
+    for (zoo_keys, zoo_values), (keys, values) in zip(kept(zoo_cache), kept(llama_cache), strict=True):
+        assert keys.shape[-2] == expected_length + 1  # the compressed prompt, then the decoded token
+        torch.testing.assert_close(zoo_keys, keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(zoo_values, values, atol=ATOL, rtol=0)
+    torch.testing.assert_close(zoo_logits, llama_logits, atol=ATOL, rtol=0)
+    works_with("kvpress", name)
+
+
+@pytest.mark.parametrize("name", STATE_VARIANTS)
+def test_press_on_a_state_variant_refuses_saying_why(name, works_with):
+    """A state variant has no per-token keys and values to evict: the press's hook fails at once, naming the reason,
+    and does not silently leave the state as it was."""
+    press = make_press("knorm")
+    model = tiny_model(name).eval()
+    with pytest.raises(AttributeError, match="running state per layer.*kvpress"), torch.no_grad(), press(model):
+        model(torch.randint(3, VOCAB_SIZE, (1, 16)), past_key_values=model.model.make_cache())
+    works_with("kvpress", name, refused="decodes from a running state, with no per-token keys and values to evict")
