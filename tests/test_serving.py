@@ -186,6 +186,7 @@ def test_continuous_batching_is_refused_up_front_or_not_at_all(name, tmp_path, c
     assert line is not None and "\n" not in line, line
     assert model_type in line and reason_of(name) in line and "without --continuous_batching" in line, line
     serving_extra()  # the command checks that the server can run at all first
+    capsys.readouterr()  # what saving the checkpoint printed
     assert cli.main(["serve", str(folder), "--continuous_batching"]) == 2
     assert capsys.readouterr().err.strip() == line
 
