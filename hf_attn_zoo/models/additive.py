@@ -87,8 +87,12 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
         # query (B, H, T, a); key (B, G, S, a) and value (B, G, S, d) -> one key/value head per query head
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
         chunk, key_length = self.config.query_chunk_size, key.shape[2]
+        exporting = torch.compiler.is_exporting()
+        # a graph cannot loop over a dynamic length (range() would fix it): while exporting, one chunk of every query
+        starts = (0,) if exporting else range(0, query.shape[2], chunk)
+        chunk = query.shape[2] if exporting else chunk
         outputs, weights = [], []
-        for start in range(0, query.shape[2], chunk):
+        for start in starts:
             end = min(query.shape[2], start + chunk)
             visible = attention_mask.past_length + end  # keys after the chunk's last query are never seen: skip them
             # (B, H, C, 1, a) + (B, H, 1, K, a) -> (B, H, C, K, a); tanh in place: its backward needs only its output

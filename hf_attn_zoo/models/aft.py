@@ -192,8 +192,12 @@ def aft_attend(
             w = w.masked_fill(query_positions[:, :, None] - key_positions[:, None, :] >= window, 0.0)
         return w
 
+    # A graph cannot loop or branch over a dynamic length: while exporting, one chunk of every query, exact (O(T²·d)
+    # memory), and no folding (the state keeps every key, which later calls read as history).
+    exporting = torch.compiler.is_exporting()
+    chunk = length if exporting else chunk
     outputs = []
-    for start in range(0, length, chunk):
+    for start in (0,) if exporting else range(0, length, chunk):
         first, last = carried + start, carried + min(length, start + chunk)  # the chunk's queries: [first, last)
         queries = slice(first, last)
         folded_scale = running_max[:, None]  # (B, 1, d)
@@ -233,7 +237,7 @@ def aft_attend(
         row_denominator = sum(z * torch.exp(scale - top) for _, z, scale in parts)
         outputs.append(row_numerator / torch.where(row_denominator > 0, row_denominator, 1.0))
         # fold the keys no later query reaches with its window (AFT-simple: all of them; AFT-full: none)
-        if window is not None:
+        if window is not None and not exporting:
             fold_to = max(folded, last - max(window - 1, 0))
             if fold_to > folded:
                 leaving = slice(folded, fold_to)

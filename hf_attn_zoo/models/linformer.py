@@ -183,11 +183,15 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         compressed_keys, compressed_values = state["keys"], state["values"]  # (B, G, k, d)
         key_columns = key_columns.expand(batch, kv_heads, -1, -1)  # (B, G, k, T): one E per head, or shared
         value_columns = value_columns.expand(batch, kv_heads, -1, -1)
-        chunk = self.config.query_chunk_size
+        exporting = torch.compiler.is_exporting()
+        # a graph cannot loop over a dynamic length (range() would fix it): while exporting, one chunk of every token,
+        # O(T²) memory, the same sums
+        chunk = length if exporting else self.config.query_chunk_size
+        starts = (0,) if exporting else range(0, length, chunk)
         causal = torch.ones(chunk, chunk, dtype=torch.bool, device=query.device).tril()
         state_document = None if documents is None else documents[:, 0]  # (B,): the document the sums belong to
         outputs = []
-        for start in range(0, length, chunk):
+        for start in starts:
             end = min(length, start + chunk)
             size = end - start
             within = causal[:size, :size]  # key s <= query t inside the chunk

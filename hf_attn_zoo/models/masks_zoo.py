@@ -84,6 +84,14 @@ class TokenMask:
     documents: torch.LongTensor | None = None  # (B, T) document of each token in a packed row; None: one per row
 
 
+def has_padding(attention_mask: torch.Tensor | None) -> bool:
+    """Whether a 2D padding mask marks any token as padding. While exporting, the mask is data the graph cannot
+    branch on: it is then always applied (a mask of ones allows what no mask allows)."""
+    if attention_mask is None:
+        return False
+    return torch.compiler.is_exporting() or not bool(attention_mask.all())
+
+
 def packed_documents(
     position_ids: torch.LongTensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None, batch: int
 ) -> torch.LongTensor | None:
@@ -126,7 +134,7 @@ def attention_mask_for(
             attention_class, config, inputs_embeds, attention_mask, past_key_values, position_ids, documents
         )
     padding = None
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if has_padding(attention_mask):
         padding = attention_mask[:, -inputs_embeds.shape[1] :].bool()  # (B, T): the new tokens
     return TokenMask(padding=padding, documents=documents)
 
@@ -185,7 +193,7 @@ def blockwise_mask(
         # is longer than what it holds, and its slots after the queries are empty (causality hides them).
         past_length = min(int(past_key_values.get_seq_length()), key_length - query_length)
     key_padding = None
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if has_padding(attention_mask):
         seen = attention_mask.shape[1] - query_length  # tokens before the queries, cached or not
         key_padding = attention_mask[:, seen - past_length :].bool()  # (B, past_length + T): the keys held
         key_padding = F.pad(key_padding, (0, key_length - key_padding.shape[1]), value=False)  # (B, S)
@@ -201,5 +209,7 @@ def blockwise_mask(
             alibi_slopes(config.num_attention_heads), device=inputs_embeds.device, dtype=torch.float32
         )
         mask.query_positions = position_ids.expand(batch_size, -1)
-        mask.key_positions = key_positions(mask.query_positions, mask.past_length)
+        # without a cache the keys are the queries (an empty past broadcast against a dynamic length trips exporters)
+        no_past = past_key_values is None
+        mask.key_positions = mask.query_positions if no_past else key_positions(mask.query_positions, mask.past_length)
     return mask

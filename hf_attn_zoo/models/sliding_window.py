@@ -63,9 +63,11 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
     @classmethod
     def mask_kind(cls, config: ZooSlidingWindowConfig, query_length: int, output_attentions: bool) -> str:
         """The banded kernel (a blockwise mask) for more than 2w new tokens on eager/sdpa, unless the weights are
-        asked for (it never forms the full matrix); transformers' sliding-window mask otherwise."""
+        asked for (it never forms the full matrix); transformers' sliding-window mask otherwise. While exporting,
+        always the latter: a graph with a dynamic length cannot branch on it, and the dense path computes the same."""
         banded = (
-            query_length > 2 * config.sliding_window
+            not torch.compiler.is_exporting()
+            and query_length > 2 * config.sliding_window
             and config._attn_implementation in ("eager", "sdpa")
             and not output_attentions
         )

@@ -64,6 +64,8 @@ class ZooTopKAttention(ZooMultiHeadAttention):
         keep, chunk = self.config.topk, self.config.query_chunk_size
         seen_by_last = attention_mask.past_length + query.shape[2]  # a static cache holds empty slots past that
         output_attentions = kwargs.get("output_attentions")
+        if torch.compiler.is_exporting():  # a graph cannot branch on the length or loop over it
+            return self._thresholded(query, key, value, attention_mask, output_attentions)
         if keep >= seen_by_last:  # every visible key is kept: plain softmax attention, in eager's order of operations
             return self._dense(query, key, value, attention_mask, output_attentions)
         batch, heads, key_length, head_dim = value.shape
@@ -85,6 +87,24 @@ class ZooTopKAttention(ZooMultiHeadAttention):
             chosen = chosen.view(batch, heads, end - start, index.shape[-1], head_dim)
             outputs.append(torch.einsum("bhck,bhckd->bhcd", probabilities, chosen))
         return weighted_values(outputs, weights, value)
+
+    def _thresholded(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
+        """The export-friendly form, free of branches and loops over the length: every query against every key at
+        once, scores below the query's k-th largest dropped. k columns of -inf appended to the scores make the k-th
+        largest exist whatever the number of keys; a query with fewer than k visible keys then has the mask's
+        minimum as its k-th score, keeps every key, and its masked ones weigh 0 after the softmax. Equal to the
+        chunked kernel up to rounding and to ties at the k-th score (here all of them are kept)."""
+        keep, key_length = self.config.topk, key.shape[2]
+        visible = attention_mask.past_length + query.shape[2]  # a static cache's empty slots are never seen
+        scores = torch.matmul(query * self.scaling, key[:, :, :visible].transpose(2, 3))  # (B, H, T, K)
+        scores = scores + attention_mask.additive(0, query.shape[2], scores.dtype, k_end=visible)
+        padded = F.pad(scores, (0, keep), value=float("-inf"))  # (B, H, T, K + k)
+        kth = padded.topk(keep, dim=-1).values[..., -1:]  # (B, H, T, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+        probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
+        output = torch.matmul(probabilities, value[:, :, :visible]).transpose(1, 2)  # (B, H, T, d) -> (B, T, H, d)
+        return output, F.pad(probabilities, (0, key_length - visible)) if output_attentions else None
 
     def _dense(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
         outputs, weights = [], []
