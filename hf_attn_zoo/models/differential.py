@@ -47,6 +47,22 @@ from .modeling_zoo import (
 from .positions_zoo import apply_rotary
 
 
+class CachedHeadWidth:
+    """A differential layer's config as transformers reads it to size a static key/value cache (`get_head_shapes`
+    reads `head_dim` off each of `config.per_layer_config`): a cached key/value head is 2·head_dim wide (module
+    docstring). Every other field is the config's."""
+
+    def __init__(self, config: ZooConfig) -> None:
+        self._config = config
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self._config.head_dim
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
 class ZooDifferentialConfig(ZooConfig):
     """`head_dim` is the width d of each query/key map; values are 2d wide."""
 
@@ -68,6 +84,18 @@ class ZooDifferentialConfig(ZooConfig):
                 )
             self.head_dim = hidden // (2 * heads)
         super().__post_init__(**kwargs)
+
+    @property
+    def per_layer_config(self):
+        """The layers' configs, each reporting the cached head width: static caches built from the config (the
+        ExecuTorch exporter's, `generate`'s with chunked prefill) are allocated 2·head_dim wide, as the layers
+        write them. Heterogeneous configs (per-layer overrides) are transformers' own."""
+        layers = ZooConfig.per_layer_config.fget(self)
+        return layers if self.is_heterogeneous else [CachedHeadWidth(self)] * len(layers)
+
+    @per_layer_config.setter
+    def per_layer_config(self, per_layer_config) -> None:
+        ZooConfig.per_layer_config.fset(self, per_layer_config)
 
 
 class ZooDifferentialAttention(ZooMultiHeadAttention):
