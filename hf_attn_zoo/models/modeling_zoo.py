@@ -427,6 +427,8 @@ class ZooModel(ZooPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
         if use_cache and past_key_values is None:
             past_key_values = self.make_cache()
+        if self.attention_class.decodes_from_state():
+            self._check_state_cache(past_key_values)
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:  # transformers < 5.3: as Llama there
             kwargs["cache_position"] = torch.arange(
@@ -476,6 +478,20 @@ class ZooModel(ZooPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+
+    def _check_state_cache(self, past_key_values: Cache | None) -> None:
+        """A variant that decodes from a running state refuses a cache of keys and values before anything runs, so
+        that an exporter tracing it with a static cache (ExecuTorch's) reports this rather than a tracing error from
+        inside a layer."""
+        layers = getattr(past_key_values, "layers", None)
+        if layers is None or (layers and all(isinstance(layer, self.attention_class.cache_layer) for layer in layers)):
+            return
+        raise TypeError(
+            f"{self.config.model_type} decodes from a running state per layer, which a "
+            f"{type(past_key_values).__name__} of keys and values cannot hold, so it cannot decode from (or be "
+            f"exported with) a static key/value cache. Pass past_key_values=model.model.make_cache() or let "
+            f"generate() create it; to export, export the forward without a cache (use_cache=False)."
+        )
 
     def _check_learned_positions(self, position_ids: torch.LongTensor) -> None:
         if torch.compiler.is_compiling():
