@@ -21,9 +21,10 @@ import pytest
 import torch
 from packaging.version import Version
 from test_llama_parity import tiny_llama
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from hf_attn_zoo.convert import from_llama
+from hf_attn_zoo.convert.llama import LLAMA_BACKBONE, SHARED_FIELDS
 from hf_attn_zoo.models import VARIANTS
 
 from conftest import ATOL, VOCAB_SIZE, tiny_model
@@ -157,3 +158,97 @@ def test_press_on_a_state_variant_refuses_saying_why(name, works_with):
     with pytest.raises(AttributeError, match="running state per layer.*kvpress"), torch.no_grad(), press(model):
         model(torch.randint(3, VOCAB_SIZE, (1, 16)), past_key_values=model.model.make_cache())
     works_with("kvpress", name, refused="decodes from a running state, with no per-token keys and values to evict")
+
+
+def llama_like(num_key_value_heads: int = 2, **changes):
+    """`tiny_llama`'s config with `changes` (head count, depth), freshly initialised."""
+    config = tiny_llama(num_key_value_heads).config
+    for name, value in changes.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
+def zoo_with_llama_weights(llama, name: str, **fields):
+    """Variant `name` (`fields` its own settings) with a Llama's backbone and weights: its projections are Llama's."""
+    shared = {field: getattr(llama.config, field) for field in SHARED_FIELDS}
+    shared["rope_parameters"] = dict(llama.config.rope_parameters)
+    config = VARIANTS[name].config(**shared, **LLAMA_BACKBONE, hidden_dropout=0.0, scale_residual_init=False, **fields)
+    model = VARIANTS[name].causal_lm_class(config)
+    model.load_state_dict(llama.state_dict(), strict=True)
+    return model.eval()
+
+
+def assert_keeps_the_same(cache, reference_cache, expected_length: int = int(PROMPT_LENGTH * 0.5)) -> None:
+    for (keys, values), (reference_keys, reference_values) in zip(kept(cache), kept(reference_cache), strict=True):
+        assert reference_keys.shape[-2] == expected_length + 1  # the compressed prompt, then the decoded token
+        torch.testing.assert_close(keys, reference_keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(values, reference_values, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("press_name", PRESSES)
+def test_press_on_single_head_keeps_what_it_keeps_on_one_head_llama(press_name, works_with):
+    """One head as wide as the model (Llama with num_attention_heads=1): the same keys, values and logits."""
+    llama = llama_like(1, num_attention_heads=1, head_dim=64)
+    zoo = from_llama(llama)
+    assert zoo.config.model_type == "zoo_single_head"
+    zoo_cache, zoo_logits = prefill(zoo, make_press(press_name), prompt())
+    llama_cache, llama_logits = prefill(llama, make_press(press_name), prompt())
+    assert_keeps_the_same(zoo_cache, llama_cache)
+    torch.testing.assert_close(zoo_logits, llama_logits, atol=ATOL, rtol=0)
+    works_with("kvpress", "single_head")
+
+
+@pytest.mark.parametrize("press_name", PRESSES)
+def test_press_on_sliding_window_keeps_what_it_keeps_on_mistral(press_name, works_with):
+    """A window of 16 over a 40-token prompt (the window bites in the prefill, whose output the presses score):
+    the same keys, values and next-token logits as `MistralForCausalLM` with the same window and weights. After the
+    press both cache all kept tokens in one full layer (kvpress passes `DynamicCache()`), so the decode step masks
+    by cache slot as transformers' sliding-window mask does; the zoo follows Mistral there too."""
+    llama = tiny_llama(2)
+    fields = {k: v for k, v in llama.config.to_dict().items() if k in MistralConfig().to_dict()}
+    mistral = MistralForCausalLM(MistralConfig(**{**fields, "model_type": "mistral", "sliding_window": 16}))
+    mistral.load_state_dict(llama.state_dict(), strict=True)
+    mistral.set_attn_implementation("sdpa")
+    zoo = zoo_with_llama_weights(llama, "sliding_window", sliding_window=16)
+    assert PROMPT_LENGTH > 2 * zoo.config.sliding_window  # the prefill takes the banded kernel
+    zoo_cache, zoo_logits = prefill(zoo, make_press(press_name), prompt())
+    mistral_cache, mistral_logits = prefill(mistral.eval(), make_press(press_name), prompt())
+    assert_keeps_the_same(zoo_cache, mistral_cache)
+    torch.testing.assert_close(zoo_logits, mistral_logits, atol=ATOL, rtol=0)
+    works_with("kvpress", "sliding_window")
+
+
+@pytest.mark.parametrize("press_name", PRESSES)
+def test_press_on_topk_keeps_what_it_keeps_on_llama(press_name, works_with):
+    """Top-k built from a one-layer Llama: its queries, keys and values are Llama's (one layer, so no earlier top-k
+    output feeds them), and each press keeps exactly Llama's keys and values. k = 24 of 40 bites in the prefill (its
+    logits differ from Llama's); the decode step sees 21 kept keys, all within k, so top-k's own attention over the
+    kept cache is softmax attention, and its logits are Llama's."""
+    llama = llama_like(2, num_hidden_layers=1)
+    zoo = zoo_with_llama_weights(llama, "topk", topk=24, query_chunk_size=8)
+    input_ids = prompt()
+    with torch.no_grad():
+        assert not torch.allclose(zoo(input_ids).logits, llama(input_ids).logits, atol=1e-3)  # the selection bites
+    zoo_cache, zoo_logits = prefill(zoo, make_press(press_name), input_ids)
+    llama_cache, llama_logits = prefill(llama, make_press(press_name), input_ids)
+    assert_keeps_the_same(zoo_cache, llama_cache)
+    torch.testing.assert_close(zoo_logits, llama_logits, atol=ATOL, rtol=0)
+    works_with("kvpress", "topk")
+
+
+@pytest.mark.parametrize("press_name", PRESSES)
+@pytest.mark.parametrize("name", ["additive", "differential"])
+def test_press_on_a_variant_it_cannot_be_faithful_to_refuses_saying_why(name, press_name, works_with):
+    """Additive scores and differential's two maps are not the attention the presses rebuild from `q_proj` and the
+    rotary embedding: entering the press fails at once, before any token runs, with the variant's reason."""
+    model = tiny_model(name)
+    reason = model.model.attention_class.kv_compression_refusal(model.config)
+    assert reason and "\n" not in reason
+    with pytest.raises(AttributeError, match="kvpress") as refusal, torch.no_grad():
+        with make_press(press_name)(model):
+            pytest.fail("the press was entered")
+    assert reason in str(refusal.value)
+    works_with("kvpress", name, refused=reason)

@@ -77,6 +77,16 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
         return "its scores are v·tanh(q + k), which transformers' paged-attention functions do not compute"
 
     @classmethod
+    def kv_compression_refusal(cls, config: ZooAdditiveConfig) -> str:
+        # a press's key norms or rebuilt dot-product queries say nothing of v·tanh(q + k); and ALiBi's bias takes a
+        # cached key's position from its slot (`key_positions`), which evicting earlier tokens would shift
+        return (
+            "its scores are v·tanh(q + k) without RoPE, so presses that rebuild rotated dot-product queries "
+            "(ExpectedAttention, SnapKV) score another kernel, and evicting tokens shifts ALiBi's key positions; "
+            "refused for every press"
+        )
+
+    @classmethod
     def query_key_width(cls, config: ZooAdditiveConfig) -> int:
         return config.additive_dim  # queries and keys live in the tanh layer's width
 

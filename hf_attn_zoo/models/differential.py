@@ -123,6 +123,15 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
         return "it runs two attention maps per layer, and transformers' paged cache holds one per layer"
 
     @classmethod
+    def kv_compression_refusal(cls, config: ZooDifferentialConfig) -> str:
+        # unrefused on kvpress 0.5, ExpectedAttention and SnapKV fail reshaping q_proj's output into one query a head
+        return (
+            "each head attends with two query/key maps (A1 - λ·A2; q_proj and k_proj twice as wide, keys cached "
+            "2·head_dim wide), so presses that rebuild one RoPE query per head from q_proj (ExpectedAttention, "
+            "SnapKV) do not apply; refused for every press"
+        )
+
+    @classmethod
     def query_key_width(cls, config: ZooDifferentialConfig) -> int:
         return 2 * config.head_dim  # a head's two maps, side by side
 

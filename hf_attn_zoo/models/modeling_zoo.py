@@ -210,6 +210,24 @@ class ZooAttention(ZooModule):
         return "its kernel is its own, not one of transformers' paged-attention functions"
 
     @classmethod
+    def kv_compression_refusal(cls, config: ZooConfig) -> str | None:
+        """Why a key/value cache compressor that assumes Llama's attention (kvpress's presses) cannot be faithful to
+        this variant (one line), or None when it can. A state variant needs none: its state layers have no per-token
+        keys and values to read (`ZooStateLayer`)."""
+        return None
+
+    def __setattr__(self, name: str, value) -> None:
+        # kvpress's presses start by attaching the model's rotary embedding to every attention layer (`rotary_emb`),
+        # to rebuild the layer's queries as Llama's `q_proj` rotated by RoPE: a variant whose attention is not that
+        # refuses there, before any token runs, rather than failing in a press's scorer or keeping the wrong tokens
+        if name == "rotary_emb" and (reason := self.kv_compression_refusal(self.config)) is not None:
+            raise AttributeError(
+                f"{type(self).__name__} takes no `rotary_emb`: key/value cache compression that rebuilds Llama's "
+                f"attention from the layer (kvpress's presses) cannot apply to this variant: {reason}."
+            )
+        super().__setattr__(name, value)
+
+    @classmethod
     def share_across_layers(cls, model: "ZooModel") -> None:
         """Parameters all layers share (Linformer's layerwise projection): built on `model` before initialisation
         and handed to its layers; none by default."""
