@@ -151,13 +151,17 @@ def test_press_keeps_what_it_keeps_on_llama(press_name, name, num_key_value_head
 
 @pytest.mark.parametrize("name", STATE_VARIANTS)
 def test_press_on_a_state_variant_refuses_saying_why(name, works_with):
-    """A state variant has no per-token keys and values to evict: the press's hook fails at once, naming the reason,
-    and does not silently leave the state as it was."""
-    press = make_press("knorm")
+    """A state variant has no per-token keys and values to evict: entering the press fails at once, naming the
+    reason; a client reading its cache layers directly is refused by the layers too."""
     model = tiny_model(name).eval()
-    with pytest.raises(AttributeError, match="running state per layer.*kvpress"), torch.no_grad(), press(model):
-        model(torch.randint(3, VOCAB_SIZE, (1, 16)), past_key_values=model.model.make_cache())
-    works_with("kvpress", name, refused="decodes from a running state, with no per-token keys and values to evict")
+    with pytest.raises(AttributeError, match="kvpress.*running state per layer"), torch.no_grad():
+        with make_press("knorm")(model):
+            pytest.fail("the press was entered")
+    cache = model.model.make_cache()
+    model(torch.randint(3, VOCAB_SIZE, (1, 16)), past_key_values=cache)
+    with pytest.raises(AttributeError, match="running state"):
+        _ = cache.layers[0].keys
+    works_with("kvpress", name, refused=model.model.attention_class.kv_compression_refusal(model.config))
 
 
 def llama_like(num_key_value_heads: int = 2, **changes):
@@ -252,3 +256,11 @@ def test_press_on_a_variant_it_cannot_be_faithful_to_refuses_saying_why(name, pr
             pytest.fail("the press was entered")
     assert reason in str(refusal.value)
     works_with("kvpress", name, refused=reason)
+
+
+@pytest.mark.parametrize("position", ["alibi", "learned"])
+def test_press_on_a_model_without_rope_refuses_saying_why(position):
+    model = tiny_model("gqa", position)
+    with pytest.raises(AttributeError, match=f"position_embedding_type='{position}'"), torch.no_grad():
+        with make_press("expected_attention")(model):
+            pytest.fail("the press was entered")

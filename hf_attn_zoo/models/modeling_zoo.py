@@ -212,8 +212,14 @@ class ZooAttention(ZooModule):
     @classmethod
     def kv_compression_refusal(cls, config: ZooConfig) -> str | None:
         """Why a key/value cache compressor that assumes Llama's attention (kvpress's presses) cannot be faithful to
-        this variant (one line), or None when it can. A state variant needs none: its state layers have no per-token
-        keys and values to read (`ZooStateLayer`)."""
+        this variant (one line), or None when it can. (A state layer's keys and values also refuse to be read,
+        `ZooStateLayer`, for clients that reach the cache without entering a press.)"""
+        if cls.decodes_from_state():
+            return "it decodes from a running state per layer, with no per-token keys and values to evict"
+        if config.position_embedding_type != "rope":
+            # the presses rotate the queries they rebuild with the model's rotary embedding, which this config lacks
+            position = config.position_embedding_type
+            return f"presses rebuild RoPE queries, and this model has position_embedding_type={position!r}"
         return None
 
     def __setattr__(self, name: str, value) -> None:
