@@ -1,8 +1,8 @@
 """README's "Works with" table: which clients that transformers users bring run on which variant, as the client tests
 found it. Nothing in the table is written by hand.
 
-    python tests/works_with.py            run the client tests (slow ones included), then rewrite works_with.json
-                                          and the table in README.md from what they recorded
+    python tests/works_with.py [FILES]    run the client tests (FILES, default all of them; slow ones included), then
+                                          update works_with.json (the clients they recorded) and README's table
     python tests/works_with.py --render   rewrite README's table from works_with.json alone
 
 A client test calls the `works_with` fixture (conftest.py) once it has checked a variant: `works_with(client,
@@ -24,12 +24,17 @@ START, END = "<!-- works-with:start -->", "<!-- works-with:end -->"
 # client key (what tests record) -> column heading; the columns' order
 CLIENTS = {
     "trl": "TRL SFT packing / padding-free",
-    "serve": "`transformers serve`",
+    "serve": "`hf-attn-zoo serve` (transformers' server)",
     "serve-cb": "serve, continuous batching",
     "executorch": "ExecuTorch static-cache export",
     "export": "`torch.export`, dynamic batch × length",
     "onnx": "ONNX in onnxruntime",
     "kvpress": "kvpress presses",
+}
+# what a refused variant can do instead, per client (shown after the reason)
+INSTEAD = {
+    "serve-cb": "serve it without `--continuous_batching`",
+    "kvpress": "decode with the full cache",
 }
 # the test files that record outcomes
 CLIENT_TESTS = ["tests/test_clients.py", "tests/test_serving.py", "tests/test_export.py", "tests/test_floor.py"]
@@ -47,12 +52,14 @@ def render(results: dict[str, dict[str, str]]) -> str:
             outcome = results[client].get(variant, "not tested")
             if outcome.startswith("refused: "):
                 reason = outcome.removeprefix("refused: ")
+                if client in INSTEAD:
+                    reason = f"{reason}; {INSTEAD[client]}"
                 if reason not in reasons:
                     reasons.append(reason)
                 outcome = f"refused [{reasons.index(reason) + 1}]"
             cells.append(outcome)
         lines.append(f"| `zoo_{variant}` | " + " | ".join(cells) + " |")
-    lines += [""] + [f"[{i}] {reason}" for i, reason in enumerate(reasons, 1)]
+    lines += [""] + [f"- [{i}] {reason}" for i, reason in enumerate(reasons, 1)]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -71,16 +78,19 @@ def write_readme(results: dict[str, dict[str, str]]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if argv[:1] != ["--render"]:
         with tempfile.TemporaryDirectory() as folder:
             recorded = Path(folder) / "works_with.json"
-            command = [sys.executable, "-m", "pytest", "-q", "-m", "slow or not slow", *CLIENT_TESTS]
+            command = [sys.executable, "-m", "pytest", "-q", "-m", "slow or not slow", *(argv or CLIENT_TESTS)]
             returncode = subprocess.call([*command, "--works-with", str(recorded)], cwd=TESTS.parent)
             if returncode != 0:
                 print("some client tests failed; the table is left as it was", file=sys.stderr)
                 return returncode
-            RESULTS.write_text(recorded.read_text())
-    write_readme(json.loads(RESULTS.read_text()))
+            # a client's column is replaced whole, so it never mixes two runs
+            results.update(json.loads(recorded.read_text()))
+        RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    write_readme(results)
     print(f"wrote {RESULTS.relative_to(TESTS.parent)} and the table in README.md")
     return 0
 

@@ -1,0 +1,28 @@
+"""README's "Works with" table is what the client tests recorded (`python tests/works_with.py` rewrites both)."""
+
+import json
+
+from hf_attn_zoo.models import VARIANTS
+
+import works_with
+from conftest import CONFORMANCE
+
+RESULTS = json.loads(works_with.RESULTS.read_text())
+
+
+def test_readme_table_is_rendered_from_the_recorded_results():
+    assert works_with.readme_table(works_with.README.read_text()) == works_with.render(RESULTS), (
+        "README's table is not the recorded results; run `python tests/works_with.py --render`"
+    )
+
+
+def test_every_client_has_an_answer_for_every_variant():
+    """Every cell is "works" or an up-front refusal with its reason; the MHA family and sliding window work with
+    every client."""
+    assert set(RESULTS) == set(works_with.CLIENTS)
+    for client, outcomes in RESULTS.items():
+        assert set(outcomes) == {name for name in VARIANTS if name in CONFORMANCE}, client
+        for name, outcome in outcomes.items():
+            assert outcome == "works" or outcome.startswith("refused: ") and len(outcome) > 20, (client, name)
+            if VARIANTS[name].family in ("mha", "sliding_window"):
+                assert outcome == "works", (client, name, outcome)
