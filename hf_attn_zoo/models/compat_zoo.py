@@ -7,6 +7,7 @@ folder imports one name and never branches on versions. Like its siblings, it tr
 """
 
 import copy
+import functools
 import inspect
 import typing
 from collections.abc import Callable
@@ -80,12 +81,18 @@ def _keep_all(
     return q_idx.new_ones((), dtype=torch.bool)
 
 
+@functools.cache
+def _takes(function: Callable, keyword: str) -> bool:
+    """Whether `function` has a parameter `keyword`: asked once per function, not at every forward."""
+    return keyword in inspect.signature(function).parameters
+
+
 def build_mask(mask_function: Callable, allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
     """Call transformers' `create_causal_mask` / `create_sliding_window_causal_mask` with the keywords of newer
     releases. Before 5.3 (no `allow_is_causal_skip` keyword) they need `cache_position`, the positions of the new
     tokens in the cache, and build a materialised mask when given an extra mask function: an all-true one keeps
     the mask and forces it out, where the zoo needs it materialised (ALiBi adds its bias to it)."""
-    if "allow_is_causal_skip" in inspect.signature(mask_function).parameters:
+    if _takes(mask_function, "allow_is_causal_skip"):
         kwargs.pop("cache_position", None)
         return mask_function(allow_is_causal_skip=allow_is_causal_skip, **kwargs)
     if kwargs.get("cache_position") is None:
@@ -113,7 +120,7 @@ def cache_update_args(attention_kwargs: dict) -> tuple[dict, ...]:
 def cache_mask_sizes(cache: Cache, query_length: int, layer_idx: int) -> tuple[int, int]:
     """`cache.get_mask_sizes` for `query_length` new tokens: (key length, key offset). Before 5.3 it takes the new
     tokens' `cache_position` (a tensor of which only the length is read) instead of their count."""
-    if "query_length" in inspect.signature(cache.get_mask_sizes).parameters:
+    if _takes(type(cache).get_mask_sizes, "query_length"):
         return cache.get_mask_sizes(query_length, layer_idx)
     past = cache.get_seq_length(layer_idx)
     return cache.get_mask_sizes(torch.arange(past, past + query_length), layer_idx)
