@@ -20,20 +20,16 @@ from pathlib import Path
 import transformers
 from transformers import AutoConfig
 
-from .models import VARIANTS, ZooAttention
-
-
-def attention_class_of(config) -> type[ZooAttention] | None:
-    """The attention class of a zoo config's variant; None for a model that is not a zoo variant."""
-    return next((v.attention_class for v in VARIANTS.values() if v.model_type == config.model_type), None)
+from .models import VARIANTS, get_variant
 
 
 def continuous_batching_refusal(checkpoint: str | Path, trust_remote_code: bool = False) -> str | None:
     """The one line refusing continuous batching for `checkpoint`, or None when its variant runs exactly under it (or
     it is not a zoo model: transformers' own models answer for themselves)."""
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
-    attention = attention_class_of(config)
-    reason = attention.continuous_batching_refusal(config) if attention is not None else None
+    if config.model_type not in {variant.model_type for variant in VARIANTS.values()}:
+        return None  # by model type, not class: with trust_remote_code the config is the checkpoint's own copy
+    reason = get_variant(config.model_type).attention_class.continuous_batching_refusal(config)
     if reason is None:
         return None
     return (

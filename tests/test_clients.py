@@ -8,13 +8,13 @@ restart mark document boundaries) must make every packed document see only itsel
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from hf_attn_zoo.convert.llama import LLAMA_BACKBONE, to_llama
 from hf_attn_zoo.data import byte_level_tokenizer
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import ATOL, CASES, CONFORMANCE, VOCAB_SIZE, tiny_config, tiny_model
+from conftest import ATOL, CASES, CONFORMANCE, VOCAB_SIZE, tiny_model
 
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'hf-attn-zoo[trl]')")
 
@@ -98,29 +98,16 @@ def test_sft_trainer_trains_on_packed_documents(name, mode, tmp_path, works_with
         works_with("trl", name)
 
 
-def llama_twin(name: str):
-    """A LlamaConfig with the zoo config's widths and RoPE."""
-    config = tiny_config(name)
-    return config, LlamaConfig(
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters=config.rope_parameters,
-    )
-
-
 @pytest.mark.parametrize("name", ["gqa", "sliding_window", "differential"])
 def test_rotary_module_returns_what_llamas_returns(name):
     """Clients such as kvpress rebuild rotated queries from `model.model.rotary_emb` with transformers'
     `apply_rotary_pos_emb`; they need Llama's `(cos, sin)`."""
     model = tiny_model(name)
-    config, llama_config = llama_twin(name)
-    width = model.model.attention_class.rotary_dim(config)
-    llama_config.head_dim = width
+    llama_config = to_llama(tiny_model("gqa", **LLAMA_BACKBONE)).config  # Llama's config of the same size
+    llama_config.rope_parameters = model.config.rope_parameters
+    llama_config.head_dim = model.model.attention_class.rotary_dim(model.config)
     positions = torch.tensor([[0, 1, 2, 7, 30]])
-    hidden = torch.zeros(1, 5, config.hidden_size)
+    hidden = torch.zeros(1, 5, model.config.hidden_size)
     llamas = LlamaRotaryEmbedding(llama_config)(hidden, positions)
     for ours, theirs in zip(model.model.rotary_emb(hidden, positions), llamas):
         assert torch.equal(ours, theirs)
@@ -129,9 +116,8 @@ def test_rotary_module_returns_what_llamas_returns(name):
 def test_decoder_layer_calls_attention_with_keywords_as_llama_does():
     """Forward hooks registered `with_kwargs` (kvpress's mechanism) find `hidden_states` by name, in the zoo as in
     Llama."""
-    config, llama_config = llama_twin("gqa")
-    llama_config.update(dict(vocab_size=VOCAB_SIZE, intermediate_size=config.intermediate_size, num_hidden_layers=1))
-    for model in (tiny_model("gqa"), LlamaForCausalLM(llama_config)):
+    zoo = tiny_model("gqa", **LLAMA_BACKBONE)
+    for model in (zoo, to_llama(zoo)):
         seen = []
 
         def hook(module, args, kwargs, output, seen=seen):
@@ -140,5 +126,5 @@ def test_decoder_layer_calls_attention_with_keywords_as_llama_does():
         model.model.layers[0].self_attn.register_forward_hook(hook, with_kwargs=True)
         model(torch.tensor([[5, 6, 7]]))
         ((args, kwargs),) = seen
-        assert args == () and kwargs["hidden_states"].shape == (1, 3, config.hidden_size), type(model).__name__
+        assert args == () and kwargs["hidden_states"].shape == (1, 3, zoo.config.hidden_size), type(model).__name__
         assert set(kwargs) >= {"position_embeddings", "attention_mask", "past_key_values"}
