@@ -1,79 +1,36 @@
-"""`hf-attn-zoo`: the command line.
+"""What the `hf-attn-zoo` commands run: one function per command, named by `hf_attn_zoo_cli.COMMANDS`, which
+parses the arguments (see that module for the commands and why it lives outside the package). `main`,
+`build_parser` and `COMMANDS` are re-exported here, so `python -m hf_attn_zoo.cli` is the command line too.
 
-    hf-attn-zoo list                      the registered variants
-    hf-attn-zoo train CONFIG [overrides]  train from a YAML recipe (configs/train/*.yaml), `--training.max_steps 100`
-    hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
-    hf-attn-zoo lm-eval-task --data FILE... --out DIR   an lm-evaluation-harness task over local files
-    hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap
-    hf-attn-zoo convert SRC OUT --to gqa|mqa [--num_key_value_heads G] [--method mean]   pool key/value heads
-    hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
-    hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
-    hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
-                                          generate a sample, save and reload it
-    hf-attn-zoo bench NAME [options]      a benchmark of the repository's benchmarks/ folder (`bench --help` lists
-                                          them); they are not part of the installed package
-
-Each command is one entry of `COMMANDS`: its help line, the dataclass of its arguments and the function it runs.
-Options are the dataclass's fields, parsed by transformers' `HfArgumentParser`: `--max_length 512`, and
-`--max-length 512` as well; a field marked `positional` is given by position (`eval MODEL`). `train` and `bench NAME`
-pass their arguments on: to the recipe loader (`--section.field value` overrides) and to the benchmark's script.
+A user's mistake is raised as `hf_attn_zoo.errors.UserError` (the command line prints it as one line); paths are
+checked before anything loads (`hf_attn_zoo.loading`).
 """
 
-import argparse
+from __future__ import annotations
+
 import dataclasses
 import importlib
 import json
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Literal, get_args
+from typing import TYPE_CHECKING
 
-from transformers import HfArgumentParser
+from hf_attn_zoo_cli import COMMANDS, build_parser, main
 
-from .demo import DemoOptions, run_demo
+from .errors import UserError
 from .models import VARIANTS
-from .training import SECTIONS
-from .training import main as train_main
 
-
-def positional(help: str, **kwargs) -> dataclasses.Field:
-    """A dataclass field given on the command line by position (`hf-attn-zoo eval MODEL`), not as `--name`."""
-    return field(metadata={"positional": True, "help": help}, **kwargs)
-
-
-class CommandParser(HfArgumentParser):
-    """`HfArgumentParser` that adds the fields marked `positional` as positional arguments (optional ones when the
-    field has a default); others become `--field_name` (and `--field-name`), as HfArgumentParser makes them."""
-
-    @staticmethod
-    def _parse_dataclass_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
-        # HfArgumentParser resolves each field's type and hands it here, one field at a time
-        if not field.metadata.get("positional"):
-            return HfArgumentParser._parse_dataclass_field(parser, field)
-        kind = next((t for t in get_args(field.type) if t is not type(None)), field.type)  # `str | None` -> str
-        optional = {"nargs": "?", "default": field.default} if field.default is not dataclasses.MISSING else {}
-        parser.add_argument(field.name, type=kind, help=field.metadata["help"], **optional)
-
-
-@dataclass(frozen=True)
-class Command:
-    """One command: its help line, what it runs and the dataclass of its arguments.
-
-    `run(options)` gets the parsed dataclass (None where `options` is None) and may return an exit status. With
-    `passes_through`, `run(argv)` gets the words after the command's name and parses them itself; the parser built
-    here then only answers `--help` (unless `parser` turns that off too). `parser`: more arguments of its parser
-    (usage, epilog); `subcommands`: commands under this one (`bench llama`)."""
-
-    help: str
-    run: Callable[..., int | None] | None = None
-    options: type | None = None
-    passes_through: bool = False
-    parser: dict = field(default_factory=dict)
-    subcommands: dict[str, "Command"] = field(default_factory=dict)
-
+if TYPE_CHECKING:
+    from hf_attn_zoo_cli import (
+        AttentionOptions,
+        ConvertOptions,
+        EvalOptions,
+        LmEvalTaskOptions,
+        PushOptions,
+        ServeOptions,
+    )
 
 # list
 
@@ -99,17 +56,10 @@ def list_command(options: None) -> None:
 # train
 
 
-@dataclass
-class TrainOptions:
-    config: str | None = positional("YAML recipe (configs/train/*.yaml); fields given as overrides only", default=None)
-
-
-def train_command(argv: list[str]) -> None:
-    train_main(argv)  # the recipe loader parses the overrides; argparse would misread `--key 3`
-
-
 def recipe_fields() -> str:
     """The fields of each recipe section, for `train --help`."""
+    from .training import SECTIONS
+
     return "fields of each recipe section:\n" + "\n".join(
         textwrap.fill(
             ", ".join(f.name for f in dataclasses.fields(cls) if f.init),
@@ -124,25 +74,20 @@ def recipe_fields() -> str:
 # eval
 
 
-@dataclass
-class EvalOptions:
-    model: str = positional("checkpoint path or name (zoo or any AutoModelForCausalLM)")
-    data: list[str] = field(metadata={"help": "text files or directories to score"})
-    max_length: int | None = field(default=None, metadata={"help": "tokens per window; none: the model's"})
-    stride: int | None = field(default=None, metadata={"help": "tokens between windows; none: the max length"})
-    batch_size: int = field(default=1, metadata={"help": "windows per forward"})
-    max_chars: int | None = field(default=None, metadata={"help": "score only the first N characters of each"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
-    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside MODEL"})
-    json: bool = field(default=False, metadata={"help": "print one JSON object"})
-
-
 def evaluate_command(options: EvalOptions) -> dict:
+    from transformers import AutoConfig
+
     from .data import expand_files
-    from .evaluation.perplexity import load_for_scoring, score_texts
+    from .evaluation.perplexity import load_for_scoring, score_texts, window_lengths
+    from .loading import check_model_folder, from_pretrained
 
     files = expand_files(options.data, "--data")
     texts = [path.read_text(encoding="utf-8", errors="replace")[: options.max_chars] for path in files]
+    # the windows are checked against the config before the weights load
+    check_model_folder(options.model, gguf_file=options.gguf_file)
+    gguf = {"gguf_file": options.gguf_file} if options.gguf_file else {}
+    config = from_pretrained(AutoConfig, options.model, trust_remote_code=options.trust_remote_code, **gguf)
+    window_lengths(config, options.max_length, options.stride)
     model, tokenizer = load_for_scoring(options.model, options.trust_remote_code, options.gguf_file)
     result = score_texts(
         model, tokenizer, texts, options.max_length, options.stride, options.batch_size, progress=not options.json
@@ -165,14 +110,6 @@ def evaluate_command(options: EvalOptions) -> dict:
 # lm-eval-task
 
 
-@dataclass
-class LmEvalTaskOptions:
-    data: list[str] = field(metadata={"help": "text files or directories (one document per file)"})
-    out: Path = field(metadata={"help": "folder for the task (lm_eval's --include_path)"})
-    name: str = field(default="zoo_text", metadata={"help": "task name"})
-    checkpoint: str = field(default="CHECKPOINT", metadata={"help": "model for the printed command"})
-
-
 def lm_eval_task_command(options: LmEvalTaskOptions) -> None:
     from .data import expand_files
     from .evaluation.lm_eval_task import command, write_task
@@ -184,24 +121,11 @@ def lm_eval_task_command(options: LmEvalTaskOptions) -> None:
 # attention
 
 
-@dataclass
-class AttentionOptions:
-    checkpoint: str = positional("checkpoint folder or name")
-    text: str = positional("the text to attend over")
-    out: Path = field(default=Path("attention.png"), metadata={"help": "image file to write"})
-    layer: int = field(default=0, metadata={"help": "layer index (negative counts from the end)"})
-    head: int = field(default=0, metadata={"help": "query head index"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
-
-
 def attention_command(options: AttentionOptions) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .evaluation.attention_maps import plot_attention
+    from .loading import load_model_and_tokenizer
 
-    remote = options.trust_remote_code
-    model = AutoModelForCausalLM.from_pretrained(options.checkpoint, trust_remote_code=remote)
-    tokenizer = AutoTokenizer.from_pretrained(options.checkpoint, trust_remote_code=remote)
+    model, tokenizer = load_model_and_tokenizer(options.checkpoint, trust_remote_code=options.trust_remote_code)
     plot_attention(model.eval(), tokenizer, options.text, options.layer, options.head, options.out)
     print(f"layer {options.layer}, head {options.head} of {options.checkpoint} written to {options.out}")
 
@@ -209,31 +133,26 @@ def attention_command(options: AttentionOptions) -> None:
 # convert
 
 
-@dataclass
-class ConvertOptions:
-    src: str = positional("checkpoint folder or name; with --gguf_file, the folder holding the file")
-    out: Path = positional("output folder (model, tokenizer, model card)")
-    to: Literal["gqa", "mqa"] = field(metadata={"help": "mqa: one key/value head"})
-    num_key_value_heads: int | None = field(default=None, metadata={"help": "G for --to gqa"})
-    method: Literal["mean", "first", "random"] = field(default="mean", metadata={"help": "how heads are pooled"})
-    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC"})
-
-
 def convert_command(options: ConvertOptions) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .checkpoints import save_checkpoint
     from .convert import mha_to_gqa
     from .convert.gguf import plain_checkpoint
+    from .loading import check_model_folder, load_model_and_tokenizer
 
     if options.to == "gqa" and options.num_key_value_heads is None:
-        raise SystemExit("--to gqa needs --num_key_value_heads G")
+        raise UserError("--to gqa needs --num_key_value_heads G (a divisor of the source's attention heads)")
     groups = 1 if options.to == "mqa" else options.num_key_value_heads
-    source = str(plain_checkpoint(Path(options.src) / options.gguf_file)) if options.gguf_file else options.src
-    model = AutoModelForCausalLM.from_pretrained(source)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    if options.gguf_file:
+        check_model_folder(options.src, gguf_file=options.gguf_file)
+        source = str(plain_checkpoint(Path(options.src) / options.gguf_file))
+    else:
+        source = options.src
+    model, tokenizer = load_model_and_tokenizer(source)
     before = model.config.num_key_value_heads
-    converted = mha_to_gqa(model, groups, options.method)
+    try:
+        converted = mha_to_gqa(model, groups, options.method)
+    except ValueError as error:  # the source or G cannot be pooled: named by mha_to_gqa
+        raise UserError(f"{options.src}: {error}") from error
     gguf = f" / {options.gguf_file}" if options.gguf_file else ""
     details = {
         "converted from": f"{options.src}{gguf} ({model.config.model_type})",
@@ -247,14 +166,6 @@ def convert_command(options: ConvertOptions) -> Path:
 # push
 
 
-@dataclass
-class PushOptions:
-    checkpoint: Path = positional("folder written by save_pretrained, training or convert")
-    repo: str = positional("model repo id, NAMESPACE/NAME (created if missing)")
-    revision: str | None = field(default=None, metadata={"help": "branch to push to (created from main if missing)"})
-    private: bool = field(default=False, metadata={"help": "create the repo private (an existing one is kept as is)"})
-
-
 def push_command(options: PushOptions) -> None:
     from .hub import push_checkpoint
 
@@ -262,21 +173,6 @@ def push_command(options: PushOptions) -> None:
 
 
 # serve
-
-
-@dataclass
-class ServeOptions:
-    checkpoint: str = positional("checkpoint folder (model and tokenizer, as save_pretrained writes them)")
-    port: int = field(default=8000, metadata={"help": "port to listen on"})
-    host: str = field(default="localhost", metadata={"help": "address to listen on"})
-    continuous_batching: bool = field(
-        default=False, metadata={"help": "transformers' continuous batching (paged attention); refused where inexact"}
-    )
-    attn_implementation: str | None = field(default=None, metadata={"help": "attention backend: eager, sdpa ..."})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda:0 ..."})
-    dtype: str = field(default="auto", metadata={"help": "weights dtype; auto: as saved"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with a non-zoo model"})
-    log_level: str = field(default="warning", metadata={"help": "transformers' log level"})
 
 
 def serve_command(options: ServeOptions) -> int:
@@ -312,138 +208,19 @@ def benchmark_script(stem: str) -> ModuleType:
     return importlib.import_module(stem)
 
 
-def bench_command(name: str, script: str) -> Callable[[list[str]], int]:
+def run_benchmark(name: str, script: str, argv: list[str]) -> int:
     """What `hf-attn-zoo bench NAME` runs: the benchmark NAME of `benchmarks/<script>.py`."""
-
-    def run(argv: list[str]) -> int:
-        try:
-            module = benchmark_script(script)
-        except FileNotFoundError as missing:
-            print(
-                f"hf-attn-zoo bench {name}: no {missing} beside the package or in the current directory; the "
-                "benchmarks live in the hf_attn_zoo repository, not the installed package: run this in a checkout",
-                file=sys.stderr,
-            )
-            return 2
-        return benchmark_script("common").main(module.BENCHMARKS, [name, *argv], prog="hf-attn-zoo bench")
-
-    return run
+    try:
+        module = benchmark_script(script)
+    except FileNotFoundError as missing:
+        raise UserError(
+            f"no {missing} beside the package or in the current directory; the benchmarks live in the hf_attn_zoo "
+            "repository, not the installed package: run this in a checkout"
+        ) from missing
+    return benchmark_script("common").main(module.BENCHMARKS, [name, *argv], prog="hf-attn-zoo bench")
 
 
-# `hf-attn-zoo bench NAME`: the benchmark NAME of benchmarks/SCRIPT.py, and its help line
-BENCHMARK_SCRIPTS = {
-    "llama": ("speed", "training and generate() tokens/s of a variant against Llama, same weights"),
-    "training": ("speed", "training tokens/s of every variant's preset against the same-size Llama"),
-    "scaling": ("scaling", "forward time, peak memory and decoding cache against sequence length"),
-    "decode": ("decode", "prefill/decode tokens/s and cache bytes of every variant against Llama"),
-    "fast-decode": ("decode", "decode tokens/s: dynamic vs static cache vs compiled step, and Llama's"),
-    "int8": ("int8", "int8 weights and a 4-bit KV cache against float32: perplexity, size, speed"),
-    "uptrain": ("uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses"),
-    "uptrain-smollm2": ("uptraining", "SmolLM2-135M imported, pooled to MQA and uptrained: the recovery curve"),
-    "packing": ("packing", "padding-free training against EOS packing: speed and held-out perplexity"),
-}
-
-# the script's own parser answers --help, with the benchmark's options
-BENCHMARKS = {
-    name: Command(help, bench_command(name, script), passes_through=True, parser={"add_help": False})
-    for name, (script, help) in BENCHMARK_SCRIPTS.items()
-}
-
-
-COMMANDS = {
-    "list": Command("print the registered variants", list_command),
-    "train": Command(
-        "train from a YAML recipe, with --section.field value overrides",
-        train_command,
-        TrainOptions,
-        passes_through=True,
-        parser={
-            "description": "train from a YAML recipe, with --section.field value overrides (`training.*` are "
-            "transformers' TrainingArguments).",
-            "usage": "hf-attn-zoo train [CONFIG] [--section.field value ...]",
-            "formatter_class": argparse.RawDescriptionHelpFormatter,
-            "epilog": recipe_fields(),
-        },
-    ),
-    "eval": Command(
-        "corpus-level perplexity (sliding windows), bits per byte and word perplexity of a causal LM",
-        evaluate_command,
-        EvalOptions,
-    ),
-    "lm-eval-task": Command(
-        "write an lm-evaluation-harness task scoring local text files, and print the lm_eval command",
-        lm_eval_task_command,
-        LmEvalTaskOptions,
-    ),
-    "attention": Command(
-        "draw one head's attention weights over a text as a heatmap (tokens on both axes)",
-        attention_command,
-        AttentionOptions,
-    ),
-    "convert": Command(
-        "pool the key/value heads of an MHA-family checkpoint (zoo, Llama, Mistral, Qwen2 or GGUF) into G",
-        convert_command,
-        ConvertOptions,
-    ),
-    "push": Command(
-        "upload a saved checkpoint folder (model, tokenizer, model card) to a Hugging Face Hub model repo",
-        push_command,
-        PushOptions,
-    ),
-    "serve": Command(
-        "serve a checkpoint with transformers' OpenAI-compatible server (chat, streaming, completions)",
-        serve_command,
-        ServeOptions,
-    ),
-    "demo": Command(
-        "train a small model on Python's standard library, score it, generate, save and reload it",
-        run_demo,
-        DemoOptions,
-    ),
-    "bench": Command(
-        "benchmarks against transformers' Llama and across variants (scripts in the repository's benchmarks/)",
-        subcommands=BENCHMARKS,
-    ),
-}
-
-
-def add_commands(parser: argparse.ArgumentParser, commands: dict[str, Command], path: tuple[str, ...] = ()) -> None:
-    """A subcommand parser per command, recursively; each leaf records its command and path as defaults."""
-    subparsers = parser.add_subparsers(dest="_".join((*path, "command")), required=True, parser_class=CommandParser)
-    for name, command in commands.items():
-        kwargs = {"help": command.help, "description": command.help, **command.parser}
-        options = [command.options] if command.options else []
-        subparser = subparsers.add_parser(name, dataclass_types=options, **kwargs)
-        if command.subcommands:
-            add_commands(subparser, command.subcommands, (*path, name))
-        else:
-            subparser.set_defaults(command_=command, path_=(*path, name))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command and subcommand (each answers `--help`)."""
-    parser = argparse.ArgumentParser(prog="hf-attn-zoo", description=__doc__.split("\n\n")[0])
-    add_commands(parser, COMMANDS)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    # commands that pass their arguments on take words argparse does not know (`--training.max_steps 3`)
-    namespace, rest = parser.parse_known_args(argv)
-    command: Command = namespace.command_
-    if command.passes_through:
-        return command.run(argv[len(namespace.path_) :]) or 0
-    if rest:
-        parser.parse_args(argv)  # the usual error naming the unknown arguments
-    options = None
-    if command.options is not None:
-        names = (f.name for f in dataclasses.fields(command.options) if f.init)
-        options = command.options(**{name: getattr(namespace, name) for name in names})
-    status = command.run(options)
-    return status if isinstance(status, int) else 0
-
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,10 @@ checkout, and the main job `demo`."""
 import argparse
 import json
 import math
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -66,7 +70,7 @@ def test_options_take_underscores_and_dashes():
 def test_every_bench_name_has_its_script():
     for name, command in cli.COMMANDS["bench"].subcommands.items():
         with pytest.raises(SystemExit) as exit_info:
-            command.run(["--help"])
+            command.function()(["--help"])
         assert exit_info.value.code == 0, name
 
 
@@ -115,3 +119,135 @@ def test_demo_trains_scores_generates_and_saves(variant, tmp_path, capsys):
     ids = tokenizer("def f():", return_tensors="pt").input_ids
     assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
     assert tokenizer.decode(ids[0]) == "def f():"
+
+
+# user errors: one line on stderr, exit status 2; bugs keep their traceback
+
+
+def test_help_and_version_answer_without_importing_the_package():
+    """`--help` and `--version` need only the front (hf_attn_zoo_cli): torch and the package stay unimported."""
+    code = (
+        "import sys, contextlib, io, hf_attn_zoo_cli\n"
+        "for argv in (['--help'], ['--version'], ['eval', '--help'], ['bench', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        hf_attn_zoo_cli.main(argv)\n"
+        "print(sorted(name for name in ('torch', 'hf_attn_zoo') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hf-attn-zoo {version('hf-attn-zoo')}"
+
+
+def saved_model(folder: Path, tokenizer: bool = True, **overrides) -> Path:
+    """A tiny zoo_gqa checkpoint with 256 positions (and its byte-level tokenizer) in `folder`."""
+    from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
+
+    byte_tokenizer = byte_level_tokenizer()
+    fields = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 256}
+    config = VARIANTS["gqa"].config(**tokenizer_fields(byte_tokenizer), **{**fields, **overrides})
+    VARIANTS["gqa"].causal_lm_class(config).save_pretrained(folder)
+    if tokenizer:
+        byte_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """The one line a user error prints (nothing on stdout, exit status 2, no traceback; transformers' progress bars
+    of what loaded before the error may precede it)."""
+    capsys.readouterr()  # what the test printed before
+    assert main(argv) == 2
+    printed = capsys.readouterr()
+    lines = [line for line in printed.err.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+    assert printed.out == "" and len(lines) == 1 and lines[0].startswith("hf-attn-zoo "), printed.err
+    return lines[0]
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    path = tmp_path / "text.txt"
+    path.write_text("def add(a, b):\n    return a + b\n" * 40)
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "{missing}", "--data", "{text}"],
+        ["convert", "{missing}", "{out}", "--to", "mqa"],
+        ["attention", "{missing}", "some text"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_a_missing_folder_is_one_line(argv, tmp_path, text_file, capsys):
+    missing = tmp_path / "runs" / "nothing" / "final"
+    argv = [a.format(missing=missing, text=text_file, out=tmp_path / "out") for a in argv]
+    error = one_line_error(capsys, argv)
+    assert f"hf-attn-zoo {argv[0]}: error: {missing}: no such folder" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_tokenizer_or_weights_is_one_line(tmp_path, text_file, capsys):
+    no_tokenizer = saved_model(tmp_path / "no-tokenizer", tokenizer=False)
+    error = one_line_error(capsys, ["eval", str(no_tokenizer), "--data", str(text_file)])
+    assert str(no_tokenizer) in error and "no tokenizer files (tokenizer.json" in error
+    only_tokenizer = tmp_path / "only-tokenizer"
+    shutil.copytree(saved_model(tmp_path / "full"), only_tokenizer, ignore=shutil.ignore_patterns("*.safetensors"))
+    error = one_line_error(capsys, ["convert", str(only_tokenizer), str(tmp_path / "out"), "--to", "mqa"])
+    assert str(only_tokenizer) in error and "no weights (model.safetensors" in error
+
+
+def test_an_unknown_hub_name_is_one_line(tmp_path, text_file, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # `no-such-model` is no folder here: a Hub id
+    error = one_line_error(capsys, ["eval", "no-such-model", "--data", str(text_file)])
+    assert "no-such-model: no such local folder, and it could not be loaded as a Hugging Face Hub model id" in error
+
+
+def test_missing_data_is_one_line(tmp_path, capsys):
+    model = saved_model(tmp_path / "model")
+    error = one_line_error(capsys, ["eval", str(model), "--data", str(tmp_path / "held_out")])
+    assert "held_out does not exist" in error
+
+
+def test_convert_errors_are_one_line_and_write_nothing(tmp_path, capsys):
+    model = saved_model(tmp_path / "model")
+    out = tmp_path / "out"
+    assert "--num_key_value_heads G" in one_line_error(capsys, ["convert", str(model), str(out), "--to", "gqa"])
+    error = one_line_error(capsys, ["convert", str(model), str(out), "--to", "gqa", "--num_key_value_heads", "3"])
+    assert "num_key_value_heads" in error and str(model) in error
+    assert not out.exists()
+
+
+def test_eval_refuses_windows_beyond_the_models_positions(tmp_path, text_file, capsys):
+    model = saved_model(tmp_path / "model")  # rope, 256 positions
+    base = ["eval", str(model), "--data", str(text_file)]
+    error = one_line_error(capsys, [*base, "--max_length", "1024"])
+    assert "max_length=1024 is longer than the model's 256 positions" in error and "max_length <= 256" in error
+    assert "max_length=0 must be a positive" in one_line_error(capsys, [*base, "--max_length", "0"])
+    assert "stride=0 must be a positive" in one_line_error(capsys, [*base, "--stride", "0"])
+    assert "stride=64 is larger than max_length=32" in one_line_error(
+        capsys, [*base, "--max_length", "32", "--stride", "64"]
+    )
+
+
+def test_eval_scores_alibi_beyond_its_positions_with_a_notice(tmp_path, text_file, capsys):
+    model = saved_model(tmp_path / "model", position_embedding_type="alibi", max_position_embeddings=64)
+    assert main(["eval", str(model), "--data", str(text_file), "--max_length", "128", "--json"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out.strip().splitlines()[-1])["max_length"] == 128
+    assert "beyond the model's max_position_embeddings=64; its alibi positions extrapolate by design" in printed.err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def broken(options):
+        raise RuntimeError("a bug, not a user error")
+
+    monkeypatch.setattr(cli, "list_command", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["list"])

@@ -15,6 +15,7 @@
 
 import math
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -57,11 +58,52 @@ def plan_windows(ids: list[int], max_length: int, stride: int) -> list[tuple[int
         begin += stride
 
 
-def _default_max_length(model, tokenizer) -> int:
-    for candidate in (getattr(model.config, "max_position_embeddings", None), tokenizer.model_max_length):
+# Position types that extrapolate by design: ALiBi's linear bias and no positions at all hold for any distance, so
+# windows longer than the model was trained on are the experiment ALiBi was made for (Press et al. 2022). Others
+# (RoPE, sinusoidal, learned) are refused beyond `max_position_embeddings`.
+EXTRAPOLATING_POSITIONS = ("alibi", "none")
+
+
+def position_limit(config, tokenizer=None) -> int | None:
+    """The longest window the model is built for: its `max_position_embeddings` (n_positions ...), else the
+    tokenizer's `model_max_length` when it is a real limit; None where neither says."""
+    for candidate in (getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)):
         if candidate and candidate < 1_000_000:
             return int(candidate)
-    return 2048
+    return None
+
+
+def window_lengths(config, max_length: int | None, stride: int | None, tokenizer=None) -> tuple[int, int]:
+    """(max_length, stride) of the windows for a model of `config`: its limit and disjoint windows by default. 0 or a
+    negative number, or a window longer than the model's positions, is refused naming the limit (`UserError`), except
+    for positions that extrapolate by design (`EXTRAPOLATING_POSITIONS`), which are scored with a printed notice."""
+    from ..errors import UserError
+
+    for name, value in (("max_length", max_length), ("stride", stride)):
+        if value is not None and value < 1:
+            raise UserError(f"{name}={value} must be a positive number of tokens; leave it unset for the default")
+    limit = position_limit(config, tokenizer)
+    if max_length is None:
+        max_length = limit or 2048
+    elif limit is not None and max_length > limit:
+        positions = getattr(config, "position_embedding_type", None)
+        if positions not in EXTRAPOLATING_POSITIONS:
+            raise UserError(
+                f"max_length={max_length} is longer than the model's {limit} positions (max_position_embeddings; "
+                f"its positions are {positions or 'not known to extrapolate'}): use max_length <= {limit}, or a "
+                f"model with positions that extrapolate ({', '.join(EXTRAPOLATING_POSITIONS)})"
+            )
+        print(
+            f"note: windows of {max_length} tokens, beyond the model's max_position_embeddings={limit}; its "
+            f"{positions} positions extrapolate by design",
+            file=sys.stderr,
+        )
+    stride = max_length if stride is None else stride
+    if stride > max_length:
+        raise UserError(
+            f"stride={stride} is larger than max_length={max_length}: tokens between windows would be skipped"
+        )
+    return max_length, stride
 
 
 @torch.no_grad()
@@ -79,8 +121,7 @@ def score_texts(
     texts = list(texts)
     if not texts:
         raise ValueError("no texts to score")
-    max_length = max_length or _default_max_length(model, tokenizer)
-    stride = stride or max_length
+    max_length, stride = window_lengths(model.config, max_length, stride, tokenizer)
     add_bos = tokenizer.bos_token_id is not None if add_bos is None else add_bos
     windows = []  # (token ids of the window, index of its first scored token)
     for text in texts:
@@ -139,12 +180,11 @@ def score_texts(
 def load_for_scoring(
     model_name_or_path: str, trust_remote_code: bool = False, gguf_file: str | None = None, dtype=None
 ):
-    """(model, tokenizer) from a checkpoint path or name, through the Auto classes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) from a checkpoint folder or Hub name, through the Auto classes; a folder that is missing,
+    or lacks weights or a tokenizer, is refused in one line naming what is missing."""
+    from ..loading import load_model_and_tokenizer
 
-    kwargs = {"trust_remote_code": trust_remote_code}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=dtype, **kwargs)
+    model, tokenizer = load_model_and_tokenizer(
+        model_name_or_path, trust_remote_code=trust_remote_code, gguf_file=gguf_file, dtype=dtype
+    )
     return model.eval(), tokenizer

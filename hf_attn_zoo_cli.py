@@ -1,0 +1,326 @@
+"""`hf-attn-zoo`: the command line.
+
+    hf-attn-zoo list                      the registered variants
+    hf-attn-zoo train CONFIG [overrides]  train from a YAML recipe (configs/train/*.yaml), `--training.max_steps 100`
+    hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
+    hf-attn-zoo lm-eval-task --data FILE... --out DIR   an lm-evaluation-harness task over local files
+    hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap
+    hf-attn-zoo convert SRC OUT --to gqa|mqa [--num_key_value_heads G] [--method mean]   pool key/value heads
+    hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
+    hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
+    hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
+                                          generate a sample, save and reload it
+    hf-attn-zoo bench NAME [options]      a benchmark of the repository's benchmarks/ folder (`bench --help` lists
+                                          them); they are not part of the installed package
+
+Each command is one entry of `COMMANDS`: its help line, the dataclass of its arguments and the function it runs,
+named `module:function` (they live in `hf_attn_zoo.cli`). Options are the dataclass's fields, parsed by
+transformers' `HfArgumentParser`: `--max_length 512`, and `--max-length 512` as well; a field marked `positional` is
+given by position (`eval MODEL`). `train` and `bench NAME` pass their arguments on: to the recipe loader
+(`--section.field value` overrides) and to the benchmark's script.
+
+This module sits beside the `hf_attn_zoo` package, not in it, and imports the package only once a command runs:
+`import hf_attn_zoo` registers every variant with transformers' Auto classes, which imports torch and transformers'
+modeling code (about 5 s on 2 cores), and answering `--help`, `--version` or a misspelt option needs none of that.
+
+A user's mistake (`hf_attn_zoo.errors.UserError`: a bad recipe, path or value) is printed as one line on stderr
+with exit status 2, as argparse does for a bad option; any other exception is a bug and keeps its traceback.
+"""
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Literal, get_args
+
+from transformers import HfArgumentParser
+
+PROG = "hf-attn-zoo"
+
+
+def positional(help: str, **kwargs) -> dataclasses.Field:
+    """A dataclass field given on the command line by position (`hf-attn-zoo eval MODEL`), not as `--name`."""
+    return field(metadata={"positional": True, "help": help}, **kwargs)
+
+
+def load(target: str) -> Callable:
+    """The function `module:function` names, imported now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class CommandParser(HfArgumentParser):
+    """`HfArgumentParser` that adds the fields marked `positional` as positional arguments (optional ones when the
+    field has a default); others become `--field_name` (and `--field-name`), as HfArgumentParser makes them.
+    `epilog_from` (`module:function`) gives an epilog that needs the package, built only when help is printed."""
+
+    def __init__(self, *args, epilog_from: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.epilog_from = epilog_from
+
+    def format_help(self) -> str:
+        if self.epilog_from is not None:
+            self.epilog = load(self.epilog_from)()
+        return super().format_help()
+
+    @staticmethod
+    def _parse_dataclass_field(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+        # HfArgumentParser resolves each field's type and hands it here, one field at a time
+        if not field.metadata.get("positional"):
+            return HfArgumentParser._parse_dataclass_field(parser, field)
+        kind = next((t for t in get_args(field.type) if t is not type(None)), field.type)  # `str | None` -> str
+        optional = {"nargs": "?", "default": field.default} if field.default is not dataclasses.MISSING else {}
+        parser.add_argument(field.name, type=kind, help=field.metadata["help"], **optional)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command: its help line, what it runs and the dataclass of its arguments.
+
+    `run` names the function (`module:function`, called with `args` first): it gets the parsed dataclass (None
+    where `options` is None) and may return an exit status. With `passes_through`, it gets the words after the
+    command's name and parses them itself; the parser built here then only answers `--help` (unless `parser` turns
+    that off too). `parser`: more arguments of its parser (usage, epilog, epilog_from); `subcommands`: commands under
+    this one (`bench llama`)."""
+
+    help: str
+    run: str | None = None
+    options: type | None = None
+    passes_through: bool = False
+    args: tuple = ()
+    parser: dict = field(default_factory=dict)
+    subcommands: dict[str, "Command"] = field(default_factory=dict)
+
+    def function(self) -> Callable[..., int | None]:
+        """The function the command runs, imported now (this imports the package)."""
+        return functools.partial(load(self.run), *self.args)
+
+
+# the options of each command
+
+
+@dataclass
+class EvalOptions:
+    model: str = positional("checkpoint folder or Hub name (zoo or any AutoModelForCausalLM)")
+    data: list[str] = field(metadata={"help": "text files or directories to score"})
+    max_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens per window (default: the model's max_position_embeddings); a longer window is refused, "
+            "except for positions that extrapolate by design (alibi, none), which are scored with a notice"
+        },
+    )
+    stride: int | None = field(default=None, metadata={"help": "tokens between windows, at most max_length (default)"})
+    batch_size: int = field(default=1, metadata={"help": "windows per forward"})
+    max_chars: int | None = field(default=None, metadata={"help": "score only the first N characters of each"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside MODEL"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object"})
+
+
+@dataclass
+class LmEvalTaskOptions:
+    data: list[str] = field(metadata={"help": "text files or directories (one document per file)"})
+    out: Path = field(metadata={"help": "folder for the task (lm_eval's --include_path)"})
+    name: str = field(default="zoo_text", metadata={"help": "task name"})
+    checkpoint: str = field(default="CHECKPOINT", metadata={"help": "model for the printed command"})
+
+
+@dataclass
+class AttentionOptions:
+    checkpoint: str = positional("checkpoint folder or Hub name")
+    text: str = positional("the text to attend over")
+    out: Path = field(default=Path("attention.png"), metadata={"help": "image file to write"})
+    layer: int = field(default=0, metadata={"help": "layer index (negative counts from the end)"})
+    head: int = field(default=0, metadata={"help": "query head index"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
+
+
+@dataclass
+class ConvertOptions:
+    src: str = positional("checkpoint folder or Hub name; with --gguf_file, the folder holding the file")
+    out: Path = positional("output folder (model, tokenizer, model card)")
+    to: Literal["gqa", "mqa"] = field(metadata={"help": "mqa: one key/value head"})
+    num_key_value_heads: int | None = field(default=None, metadata={"help": "G for --to gqa"})
+    method: Literal["mean", "first", "random"] = field(default="mean", metadata={"help": "how heads are pooled"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC"})
+
+
+@dataclass
+class PushOptions:
+    checkpoint: Path = positional("folder written by save_pretrained, training or convert")
+    repo: str = positional("model repo id, NAMESPACE/NAME (created if missing)")
+    revision: str | None = field(default=None, metadata={"help": "branch to push to (created from main if missing)"})
+    private: bool = field(default=False, metadata={"help": "create the repo private (an existing one is kept as is)"})
+
+
+@dataclass
+class ServeOptions:
+    checkpoint: str = positional("checkpoint folder (model and tokenizer, as save_pretrained writes them)")
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    host: str = field(default="localhost", metadata={"help": "address to listen on"})
+    continuous_batching: bool = field(
+        default=False, metadata={"help": "transformers' continuous batching (paged attention); refused where inexact"}
+    )
+    attn_implementation: str | None = field(default=None, metadata={"help": "attention backend: eager, sdpa ..."})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda:0 ..."})
+    dtype: str = field(default="auto", metadata={"help": "weights dtype; auto: as saved"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with a non-zoo model"})
+    log_level: str = field(default="warning", metadata={"help": "transformers' log level"})
+
+
+@dataclass
+class DemoOptions:
+    variant: str = field(default="gqa", metadata={"help": "registered variant (see `hf-attn-zoo list`)"})
+    max_steps: int = field(default=600, metadata={"help": "optimizer steps (about 3 minutes on 2 CPU cores)"})
+    max_documents: int | None = field(
+        default=None, metadata={"help": "train on the first N documents only (quick runs)"}
+    )
+    prompt: str = field(default="def ", metadata={"help": "text to continue"})
+    max_new_tokens: int = field(default=60, metadata={"help": "tokens to generate"})
+    output_dir: str = field(default="outputs/demo", metadata={"help": "where the run and the final model go"})
+    seed: int = field(default=0, metadata={"help": "random seed"})
+    packing: str = field(
+        default="eos",
+        metadata={"help": "eos (documents joined with EOS) or documents (padding-free, each document alone)"},
+    )
+
+
+# `hf-attn-zoo bench NAME`: the benchmark NAME of benchmarks/SCRIPT.py, and its help line
+BENCHMARK_SCRIPTS = {
+    "llama": ("speed", "training and generate() tokens/s of a variant against Llama, same weights"),
+    "training": ("speed", "training tokens/s of every variant's preset against the same-size Llama"),
+    "scaling": ("scaling", "forward time, peak memory and decoding cache against sequence length"),
+    "decode": ("decode", "prefill/decode tokens/s and cache bytes of every variant against Llama"),
+    "fast-decode": ("decode", "decode tokens/s: dynamic vs static cache vs compiled step, and Llama's"),
+    "int8": ("int8", "int8 weights and a 4-bit KV cache against float32: perplexity, size, speed"),
+    "uptrain": ("uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses"),
+    "uptrain-smollm2": ("uptraining", "SmolLM2-135M imported, pooled to MQA and uptrained: the recovery curve"),
+    "packing": ("packing", "padding-free training against EOS packing: speed and held-out perplexity"),
+}
+
+# the script's own parser answers --help, with the benchmark's options
+BENCHMARKS = {
+    name: Command(
+        help, "hf_attn_zoo.cli:run_benchmark", args=(name, script), passes_through=True, parser={"add_help": False}
+    )
+    for name, (script, help) in BENCHMARK_SCRIPTS.items()
+}
+
+
+COMMANDS = {
+    "list": Command("print the registered variants", "hf_attn_zoo.cli:list_command"),
+    "train": Command(
+        "train from a YAML recipe, with --section.field value overrides",
+        "hf_attn_zoo.training:main",  # the recipe loader parses the overrides; argparse would misread `--key 3`
+        passes_through=True,
+        parser={
+            "description": "train from a YAML recipe, with --section.field value overrides (`training.*` are "
+            "transformers' TrainingArguments).",
+            "usage": f"{PROG} train [CONFIG] [--section.field value ...]",
+            "formatter_class": argparse.RawDescriptionHelpFormatter,
+            "epilog_from": "hf_attn_zoo.cli:recipe_fields",
+        },
+    ),
+    "eval": Command(
+        "corpus-level perplexity (sliding windows), bits per byte and word perplexity of a causal LM",
+        "hf_attn_zoo.cli:evaluate_command",
+        EvalOptions,
+    ),
+    "lm-eval-task": Command(
+        "write an lm-evaluation-harness task scoring local text files, and print the lm_eval command",
+        "hf_attn_zoo.cli:lm_eval_task_command",
+        LmEvalTaskOptions,
+    ),
+    "attention": Command(
+        "draw one head's attention weights over a text as a heatmap (tokens on both axes)",
+        "hf_attn_zoo.cli:attention_command",
+        AttentionOptions,
+    ),
+    "convert": Command(
+        "pool the key/value heads of an MHA-family checkpoint (zoo, Llama, Mistral, Qwen2 or GGUF) into G",
+        "hf_attn_zoo.cli:convert_command",
+        ConvertOptions,
+    ),
+    "push": Command(
+        "upload a saved checkpoint folder (model, tokenizer, model card) to a Hugging Face Hub model repo",
+        "hf_attn_zoo.cli:push_command",
+        PushOptions,
+    ),
+    "serve": Command(
+        "serve a checkpoint with transformers' OpenAI-compatible server (chat, streaming, completions)",
+        "hf_attn_zoo.cli:serve_command",
+        ServeOptions,
+    ),
+    "demo": Command(
+        "train a small model on Python's standard library, score it, generate, save and reload it",
+        "hf_attn_zoo.demo:run_demo",
+        DemoOptions,
+    ),
+    "bench": Command(
+        "benchmarks against transformers' Llama and across variants (scripts in the repository's benchmarks/)",
+        subcommands=BENCHMARKS,
+    ),
+}
+
+
+def add_commands(parser: argparse.ArgumentParser, commands: dict[str, Command], path: tuple[str, ...] = ()) -> None:
+    """A subcommand parser per command, recursively; each leaf records its command and path as defaults."""
+    subparsers = parser.add_subparsers(dest="_".join((*path, "command")), required=True, parser_class=CommandParser)
+    for name, command in commands.items():
+        kwargs = {"help": command.help, "description": command.help, **command.parser}
+        options = [command.options] if command.options else []
+        subparser = subparsers.add_parser(name, dataclass_types=options, **kwargs)
+        if command.subcommands:
+            add_commands(subparser, command.subcommands, (*path, name))
+        else:
+            subparser.set_defaults(command_=command, path_=(*path, name))
+
+
+def package_version() -> str:
+    try:
+        return version("hf-attn-zoo")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command and subcommand (each answers `--help`)."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    add_commands(parser, COMMANDS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # commands that pass their arguments on take words argparse does not know (`--training.max_steps 3`)
+    namespace, rest = parser.parse_known_args(argv)
+    command: Command = namespace.command_
+    try:
+        if command.passes_through:
+            return command.function()(argv[len(namespace.path_) :]) or 0
+        if rest:
+            parser.parse_args(argv)  # the usual error naming the unknown arguments
+        options = None
+        if command.options is not None:
+            names = (f.name for f in dataclasses.fields(command.options) if f.init)
+            options = command.options(**{name: getattr(namespace, name) for name in names})
+        status = command.function()(options)
+    except Exception as error:
+        from hf_attn_zoo.errors import UserError, report  # the package is imported by now: a command ran
+
+        if not isinstance(error, UserError):
+            raise
+        return report(error, " ".join((PROG, *namespace.path_)))
+    return status if isinstance(status, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
