@@ -6,6 +6,12 @@
 
 Set-up: a virtual environment in .venv with the package installed in editable mode with its [dev] extra, torch pinned
 by constraints.txt. It is redone only when pyproject.toml or constraints.txt change.
+
+torchao (int8 weights, the `quant` extra) goes to .venv/torchao-site, off the interpreter's path, and not into the
+environment: transformers imports torchao at import time whenever it is installed, and every torchao release on PyPI
+then writes warnings on a CPU-only torch 2.13 (CUDA kernel libraries it cannot load, or that its kernels do not match
+this torch, and enums registered in a way torch 2.13 deprecates). tests/test_quantization.py runs the int8 tests in
+an interpreter with that folder on its path; everything else imports transformers without them.
 """
 
 import hashlib
@@ -20,6 +26,7 @@ VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / ".hf-attn-zoo-installed"
+TORCHAO_SITE = VENV / "torchao-site"  # tests/test_quantization.py looks for it here
 
 
 def requirements_fingerprint() -> str:
@@ -39,7 +46,17 @@ def set_up() -> None:
     print("installing hf-attn-zoo[dev] with torch pinned by constraints.txt", flush=True)
     pip = [str(PYTHON), "-m", "pip", "install", "--disable-pip-version-check", "--quiet"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "-c", str(ROOT / "constraints.txt"), "-e", f"{ROOT}[dev]"], check=True)
+    constraints = ["-c", str(ROOT / "constraints.txt")]
+    subprocess.run([*pip, *constraints, "-e", f"{ROOT}[dev]"], check=True)
+    # set-ups from before torchao moved out of the environment have it inside
+    if subprocess.run([str(PYTHON), "-m", "pip", "show", "--quiet", "torchao"], capture_output=True).returncode == 0:
+        subprocess.run([str(PYTHON), "-m", "pip", "uninstall", "--yes", "--quiet", "torchao"], check=True)
+    # torchao's pure-Python wheel: the platform wheels add CUDA kernels that a CPU-only torch cannot load
+    pure_python = ["--only-binary", ":all:", "--platform", "any", "--implementation", "py", "--abi", "none"]
+    subprocess.run(
+        [*pip, *constraints, *pure_python, "--no-deps", "--upgrade", "--target", str(TORCHAO_SITE), "torchao"],
+        check=True,
+    )
     STAMP.write_text(fingerprint)
 
 

@@ -85,3 +85,19 @@ def test_a_wheel_builds_every_preset_and_trains_from_a_preset_recipe(tmp_path):
     assert len(built) == 3 * len(VARIANTS)  # every preset of every variant
     assert json.loads((tmp_path / "run" / "training_summary.json").read_text())["steps"] == 2
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_transformers_imports_quietly_in_this_environment():
+    """transformers imports torchao at import time when it is installed, and every torchao release on PyPI then
+    writes warnings on a CPU-only torch (CUDA kernel libraries it cannot load, deprecated enum registrations): the
+    set-up keeps it out of the environment (dev.py), so that importing a model or evaluate prints nothing."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import transformers.models.llama.modeling_llama; import evaluate"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for warning in ("Failed to load", "torchao", "register_constant"):
+        assert warning not in result.stderr, result.stderr[-3000:]
+    assert result.stderr == "", result.stderr[-3000:]  # nothing else either

@@ -1,6 +1,17 @@
-"""int8 weights (torchao) and a quantized key/value cache (optimum-quanto) on zoo models."""
+"""int8 weights (torchao) and a quantized key/value cache (optimum-quanto) on zoo models.
+
+The int8-weight tests are the `torchao_test_*` functions. The dev set-up keeps torchao out of the interpreter (see
+dev.py: transformers imports it whenever it is installed, and on a CPU-only torch it writes warnings), so
+`test_int8_weights_with_torchao` runs them in a child pytest with dev.py's torchao folder on its path; they are
+named so that this interpreter's pytest does not collect them itself.
+"""
 
 import copy
+import importlib.machinery
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +21,8 @@ from hf_attn_zoo.quantization import int8_config, quantize_int8, quantized_cache
 
 from test_integrations import byte_model
 
-pytest.importorskip("torchao")
+ROOT = Path(__file__).resolve().parents[1]
+TORCHAO_SITE = Path(sys.prefix) / "torchao-site"  # where dev.py installs torchao
 
 
 def relative_error(approximate: torch.Tensor, exact: torch.Tensor) -> float:
@@ -27,8 +39,28 @@ def checkpoint(tmp_path_factory):
     return folder, model.eval(), tokenizer
 
 
+def test_int8_weights_with_torchao(tmp_path):
+    env = dict(os.environ)
+    if TORCHAO_SITE.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHAO_SITE), env.get("PYTHONPATH")]))
+    if importlib.machinery.PathFinder.find_spec("torchao", [str(TORCHAO_SITE), *sys.path]) is None:
+        pytest.skip('torchao is not installed: pip install "hf-attn-zoo[quant]", or set up with dev.py')
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-o", "python_functions=torchao_test_*", "-p", "no:cacheprovider"]
+        + ["-q", f"--basetemp={tmp_path}"],
+        cwd=ROOT,  # the repository's pytest settings and conftest.py
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    # every int8 test ran: none skipped or deselected (e.g. torchao missing from the child after all)
+    assert "passed" in summary and "skipped" not in summary and "deselected" not in summary, result.stdout[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["weight_only", "dynamic"])
-def test_int8_weights_through_from_pretrained(checkpoint, mode):
+def torchao_test_int8_weights_through_from_pretrained(checkpoint, mode):
     folder, fp32, tokenizer = checkpoint
     inputs = tokenizer(["int8 weights", "a second, longer prompt"], return_tensors="pt", padding=True)
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=int8_config(mode)).eval()
@@ -44,7 +76,7 @@ def test_int8_weights_through_from_pretrained(checkpoint, mode):
     assert model.generate(**inputs, max_new_tokens=4, do_sample=False).shape[1] == inputs.input_ids.shape[1] + 4
 
 
-def test_int8_checkpoint_round_trip(checkpoint, tmp_path):
+def torchao_test_int8_checkpoint_round_trip(checkpoint, tmp_path):
     folder, _, tokenizer = checkpoint
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=int8_config()).eval()
     model.save_pretrained(tmp_path)
