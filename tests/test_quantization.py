@@ -8,6 +8,7 @@ named so that this interpreter's pytest does not collect them itself.
 
 import copy
 import importlib.machinery
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_attn_zoo import quantization
 from hf_attn_zoo.quantization import int8_config, quantize_int8, quantized_cache_kwargs
 
 from test_integrations import byte_model
@@ -113,3 +115,59 @@ def test_quantization_errors(checkpoint):
     state_model, tokenizer = byte_model("aft_simple")
     with pytest.raises(ValueError, match="decodes from a state"):
         state_model.generate(**tokenizer(["x"], return_tensors="pt"), max_new_tokens=2, **quantized_cache_kwargs(fp32))
+
+
+@pytest.fixture
+def unbuilt_quanto_extension(monkeypatch, tmp_path):
+    """quanto's CPU extension as in a fresh installation: not loaded, and an empty build folder."""
+    pytest.importorskip("optimum.quanto")
+    extension = quantization._quanto_cpu_extension()
+    monkeypatch.setattr(extension, "_lib", None)
+    monkeypatch.setattr(extension, "build_directory", str(tmp_path / "build"))
+    return extension
+
+
+def test_a_quanto_build_is_announced_once(unbuilt_quanto_extension, checkpoint, monkeypatch, caplog):
+    from optimum.quanto.library.extensions import extension as quanto_extension
+
+    # the build itself is the library quanto already built in its own folder (test_quantized_key_value_cache builds
+    # it on a fresh set-up): the minute-long real build is the slow test below
+    built_directory = Path(quanto_extension.__file__).parent / "cpp" / "build"
+    if not (built_directory / "pytorch_version.txt").is_file():
+        pytest.skip("quanto's extension is not built in its own folder yet")
+    real_load, loads = quanto_extension.load, []
+
+    def load(**kwargs):
+        loads.append(kwargs["name"])
+        return real_load(**{**kwargs, "build_directory": str(built_directory)})
+
+    monkeypatch.setattr(quanto_extension, "load", load)
+    assert not quantization.quanto_cpu_extension_is_built()
+    _, fp32, _ = checkpoint
+    with caplog.at_level(logging.WARNING, logger="hf_attn_zoo.quantization"):
+        quantized_cache_kwargs(fp32)
+        quantized_cache_kwargs(fp32)
+    notices = [r.getMessage() for r in caplog.records if "compiling its C++ extension" in r.getMessage()]
+    assert len(notices) == 1 and "minutes" in notices[0], notices  # before the build, and once
+    assert loads == ["quanto_cpp"] and unbuilt_quanto_extension._lib is not None
+
+
+def test_a_missing_compiler_is_named_before_any_build(unbuilt_quanto_extension, checkpoint, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++")  # torch's cpp_extension calls $CXX
+    _, fp32, _ = checkpoint
+    with pytest.raises(RuntimeError, match=r"'no-such-c\+\+'.* is not on PATH: install one .*apt-get install g\+\+"):
+        quantized_cache_kwargs(fp32)
+    assert not any(Path(unbuilt_quanto_extension.build_directory).glob("*.o"))  # nothing was compiled
+
+
+@pytest.mark.slow
+def test_a_real_quanto_build_is_announced(unbuilt_quanto_extension, checkpoint, caplog):
+    """The real build (about 1.5 minutes on 2 cores), into an empty folder, then a quantized generation."""
+    _, fp32, tokenizer = checkpoint
+    with caplog.at_level(logging.WARNING, logger="hf_attn_zoo.quantization"):
+        kwargs = quantized_cache_kwargs(fp32, residual_length=8)
+    assert sum("compiling its C++ extension" in r.getMessage() for r in caplog.records) == 1
+    assert quantization.quanto_cpu_extension_is_built()
+    inputs = tokenizer(["a prompt longer than the residual length of the cache"], return_tensors="pt")
+    generated = fp32.generate(**inputs, max_new_tokens=4, do_sample=False, **kwargs)
+    assert generated.shape[1] == inputs.input_ids.shape[1] + 4
