@@ -1,10 +1,16 @@
 """Static caches and the compiled decode step give the tokens of the dynamic cache."""
 
+import logging
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import transformers
 from packaging.version import Version
 
+from hf_attn_zoo import decoding
 from hf_attn_zoo.decoding import generate_compiled, static_cache
 from hf_attn_zoo.models import VARIANTS
 
@@ -50,15 +56,46 @@ def test_static_cache_generates_the_tokens_of_the_dynamic_cache(name, position):
 
 @STATIC_CACHE_LENGTH
 @pytest.mark.parametrize("name", ["gqa", "sliding_window"])
-def test_compiled_decode_step_generates_the_tokens_of_the_dynamic_cache(name):
+def test_compiled_decode_step_generates_the_tokens_of_the_dynamic_cache(name, monkeypatch, caplog):
     model, tokenizer = byte_model(name)
     inputs = prompts(tokenizer)
     dynamic = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    compiled = generate_compiled(model, **inputs, max_new_tokens=12, do_sample=False)
-    assert hasattr(model, "_compiled_call")  # generate() really took the compiled decode step
-    again = generate_compiled(model, **inputs, max_new_tokens=12, do_sample=False)  # reuses the graph
+    monkeypatch.setattr(decoding, "_compile_announced", False)  # as in a fresh process
+    with caplog.at_level(logging.WARNING, logger="hf_attn_zoo.decoding"):
+        compiled = generate_compiled(model, **inputs, max_new_tokens=12, do_sample=False)
+        assert hasattr(model, "_compiled_call")  # generate() really took the compiled decode step
+        again = generate_compiled(model, **inputs, max_new_tokens=12, do_sample=False)  # reuses the graph
     torch.testing.assert_close(compiled, dynamic, rtol=0, atol=0)
     torch.testing.assert_close(again, dynamic, rtol=0, atol=0)
+    # the wait of the first compilation is announced, once
+    notices = [r.getMessage() for r in caplog.records if r.name == "hf_attn_zoo.decoding"]
+    assert len(notices) == 1 and notices[0].startswith("torch.compile is compiling the decode step"), notices
+
+
+def test_the_compile_notice_reaches_stderr_without_logging_set_up():
+    """A warning of a logger nobody configured goes to stderr (logging's last resort): users see it by default."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from transformers import PretrainedConfig
+
+        from hf_attn_zoo.decoding import generate_compiled
+
+        class Model:  # what generate_compiled reads of a model; its generate() stops before any compilation
+            _can_compile_fullgraph = True
+            config = PretrainedConfig(num_hidden_layers=1)
+
+            def generate(self, *args, **kwargs):
+                return None
+
+        for _ in range(2):
+            generate_compiled(Model(), torch.zeros(1, 2, dtype=torch.long))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "compiling the decode step" in line]
+    assert len(lines) == 1 and lines[0].startswith("torch.compile is compiling"), result.stderr[-3000:]
 
 
 def test_static_cache_refuses_a_state_variant():
