@@ -40,7 +40,7 @@ FROM_THE_WHEEL = textwrap.dedent(
 def test_a_wheel_builds_every_preset_and_trains_from_a_preset_recipe(tmp_path):
     source = tmp_path / "source"  # the wheel is built from a copy, so nothing is written into the repository
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "hf_attn_zoo_cli.py"):  # the command line's front is a module beside
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "hf_attn_zoo", source / "hf_attn_zoo", ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
