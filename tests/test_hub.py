@@ -205,5 +205,5 @@ def test_what_is_not_there_fails_clearly(hub, tmp_path):
     model.push_to_hub("zoo/present")
     with pytest.raises(OSError, match="no-such-branch"):
         AutoModelForCausalLM.from_pretrained("zoo/present", revision="no-such-branch")
-    with pytest.raises(FileNotFoundError, match="not a saved model"):
+    with pytest.raises(FileNotFoundError, match="not a loadable model folder: no config.json"):
         push_checkpoint(tmp_path, "zoo/present")
