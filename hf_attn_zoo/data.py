@@ -24,6 +24,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from .errors import MissingPathError, UserError
+
 END_OF_TEXT = "<|endoftext|>"
 PAD = "<|pad|>"
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".text"}
@@ -73,13 +75,13 @@ class DataArguments:
 
     def __post_init__(self):
         if not 0 < self.validation_fraction < 1:
-            raise ValueError(f"data.validation_fraction must be in (0, 1), got {self.validation_fraction}.")
+            raise UserError(f"data.validation_fraction must be in (0, 1), got {self.validation_fraction}.")
         if self.block_size < 2:
-            raise ValueError(f"data.block_size must be at least 2, got {self.block_size}.")
+            raise UserError(f"data.block_size must be at least 2, got {self.block_size}.")
         if self.packing not in PACKING:
-            raise ValueError(f"data.packing={self.packing!r} is not one of {list(PACKING)}.")
+            raise UserError(f"data.packing={self.packing!r} is not one of {list(PACKING)}.")
         if self.tokenizer is None and self.vocab_size < 258:
-            raise ValueError(f"data.vocab_size must be >= 258 (256 bytes + 2 special tokens), got {self.vocab_size}.")
+            raise UserError(f"data.vocab_size must be >= 258 (256 bytes + 2 special tokens), got {self.vocab_size}.")
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -136,7 +138,7 @@ def stdlib_corpus_files() -> list[Path]:
     excluded = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = [path for path in root.rglob("*.py") if not excluded.intersection(path.relative_to(root).parts)]
     if not files:
-        raise FileNotFoundError(f"no Python sources under {root}; pass your own text files instead")
+        raise MissingPathError(f"no Python sources under {root}; set data.train_files to your own text files instead.")
     return sorted(files)
 
 
@@ -149,17 +151,19 @@ def expand_files(paths: list[str], role: str) -> list[Path]:
         if glob.has_magic(str(path)):
             matched = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
             if not matched:
-                raise FileNotFoundError(f"data.{role}: no file matches {path}; fix the pattern in the recipe.")
+                raise MissingPathError(f"data.{role}: no file matches {path}; fix the pattern in the recipe.")
             files.extend(matched)
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | JSON_SUFFIXES)
             if not found:
-                raise ValueError(f"data.{role}: the directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}).")
+                raise MissingPathError(
+                    f"data.{role}: the directory {path} holds no text files ({sorted(TEXT_SUFFIXES | JSON_SUFFIXES)})."
+                )
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"data.{role}: {path} does not exist; fix the path in the recipe.")
+            raise MissingPathError(f"data.{role}: {path} does not exist; fix the path in the recipe.")
     return files
 
 
@@ -175,7 +179,7 @@ def load_documents(files: list[Path], text_field: str):
     if json_files:
         records = load_dataset("json", data_files=json_files, split="train")
         if text_field not in records.column_names:
-            raise ValueError(
+            raise UserError(
                 f"data.text_field={text_field!r} is not a field of {json_files[0]} (fields: {records.column_names})."
             )
         parts.append(records.select_columns([text_field]).rename_column(text_field, "text"))
@@ -203,10 +207,10 @@ def load_text_splits(args: DataArguments):
             validation = load_documents(expand_files(args.validation_files, "validation_files"), args.text_field)
     train = train.filter(lambda record: bool(record["text"] and record["text"].strip()))
     if len(train) == 0:
-        raise ValueError("the training corpus is empty: every document is blank; check data.train_files.")
+        raise UserError("the training corpus is empty: every document is blank; check data.train_files.")
     if validation is None:
         if len(train) < 2:
-            raise ValueError("one training document cannot be split; add data.validation_files or more documents.")
+            raise UserError("one training document cannot be split; add data.validation_files or more documents.")
         split = train.train_test_split(test_size=args.validation_fraction, seed=args.seed, shuffle=True)
         train, validation = split["train"], split["test"]
     if args.max_documents is not None:
@@ -217,9 +221,12 @@ def load_text_splits(args: DataArguments):
 
 def build_tokenizer(args: DataArguments, train_documents) -> PreTrainedTokenizerBase:
     if args.tokenizer is not None:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except OSError as error:  # neither a folder with a tokenizer nor a name the hub (or its cache) knows
+            raise MissingPathError(f"data.tokenizer={args.tokenizer!r} cannot be loaded: {error}") from error
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"data.tokenizer={args.tokenizer!r} has no EOS token to separate documents with.")
+            raise UserError(f"data.tokenizer={args.tokenizer!r} has no EOS token to separate documents with.")
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
@@ -270,7 +277,7 @@ def prepare_data(args: DataArguments):
     validation = pack_blocks(splits["validation"], tokenizer, args.block_size, args.num_proc, args.packing)
     for name, blocks in (("training", train), ("validation", validation)):
         if len(blocks) == 0:
-            raise ValueError(
+            raise UserError(
                 f"the {name} text gives fewer than data.block_size={args.block_size} tokens: lower block_size or "
                 f"add text."
             )

@@ -104,3 +104,23 @@ def test_prepare_data_reports_a_baseline_and_refuses_tiny_corpora(tmp_path):
     short.write_text("too short")
     with pytest.raises(ValueError, match="block_size"):
         prepare_data(DataArguments(train_files=[str(short)], validation_files=[str(short)], block_size=64))
+
+
+def test_missing_paths_are_named_as_such(tmp_path):
+    from hf_attn_zoo.data import expand_files
+    from hf_attn_zoo.errors import MissingPathError
+
+    with pytest.raises(MissingPathError, match=r"data\.train_files: .*missing\.txt does not exist"):
+        expand_files([str(tmp_path / "missing.txt")], "train_files")
+    with pytest.raises(MissingPathError, match=r"data\.train_files: no file matches"):
+        expand_files([str(tmp_path / "*.txt")], "train_files")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MissingPathError, match=r"holds no text files"):
+        expand_files([str(tmp_path / "empty")], "validation_files")
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(TEXT)
+    args = DataArguments(
+        train_files=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], tokenizer=str(tmp_path / "no")
+    )
+    with pytest.raises(MissingPathError, match=r"data\.tokenizer="):
+        prepare_data(args)
