@@ -19,6 +19,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -34,12 +35,14 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoints import publish_folder, write_atomically
 from .convert import from_llama, mha_to_gqa
 from .convert.pooling import METHODS as POOLING_METHODS
 from .data import DataArguments, prepare_data, tokenizer_fields
+from .errors import MissingPathError, UserError, one_line
 from .models import ZooConfig, ZooForCausalLM, get_variant
 
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -91,22 +94,59 @@ class ModelArguments:
         if self.init_from is None:
             for name in ("convert_num_key_value_heads", "uptrain_fraction"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"model.{name} converts a checkpoint: set model.init_from to the parent.")
+                    raise UserError(f"model.{name} converts a checkpoint: set model.init_from to the parent.")
         if self.convert_method not in POOLING_METHODS:
-            raise ValueError(f"model.convert_method={self.convert_method!r}: use one of {POOLING_METHODS}.")
+            raise UserError(f"model.convert_method={self.convert_method!r}: use one of {POOLING_METHODS}.")
         if self.uptrain_fraction is not None and self.uptrain_fraction < 0:
-            raise ValueError(f"model.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
+            raise UserError(f"model.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
 
     def config_fields(self) -> dict:
         if not self.config:
             return {}
-        fields_ = json.loads(self.config) if isinstance(self.config, str) else dict(self.config)
+        try:
+            fields_ = json.loads(self.config) if isinstance(self.config, str) else dict(self.config)
+        except ValueError as error:
+            raise UserError(f"model.config={self.config!r} is not a mapping of config fields ({error}).") from error
         if not isinstance(fields_, dict):
-            raise ValueError(f"model.config must be a mapping of config fields, got {self.config!r}.")
+            raise UserError(f"model.config must be a mapping of config fields, got {self.config!r}.")
         return fields_
 
+    def check_config(self) -> None:
+        """Build the variant's config (not the model) from the preset and the fields, so that a field the config
+        refuses is reported while the recipe is read rather than after data preparation; the tokenizer's fields
+        come later and are the tokenizer's, not the user's."""
+        if self.init_from is None:
+            get_variant(self.variant).config(self.size or None, **self.config_fields())
 
-SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": TrainingArguments}
+
+@dataclass
+class ZooTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with what a recipe states about the machine it needs."""
+
+    requires_gpu: bool = field(
+        default=False,
+        metadata={
+            "help": "the recipe is sized for a GPU: refused up front on a machine without one (on CPUs it would run "
+            "for days or run out of memory)"
+        },
+    )
+    cpu_recipe: str | None = field(
+        default=None, metadata={"help": "the recipe to use instead on a machine without a GPU (named in the refusal)"}
+    )
+
+
+SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": ZooTrainingArguments}
+
+
+def refuse_gpu_recipe_without_gpu(requires_gpu: bool, cpu_recipe: str | None, source: str) -> None:
+    """A recipe that states `training.requires_gpu` does not start on a machine without a GPU: the base model on
+    CPUs was killed for memory minutes into data preparation, with nothing said."""
+    if requires_gpu and not torch.cuda.is_available():
+        instead = f"train {cpu_recipe} instead" if cpu_recipe else "train a CPU recipe of configs/train instead"
+        raise UserError(
+            f"{source}: training.requires_gpu: this recipe is sized for a GPU and this machine has none; {instead} "
+            f"(or override --training.requires_gpu false to try anyway)."
+        )
 
 
 def training_defaults() -> dict:
@@ -115,7 +155,7 @@ def training_defaults() -> dict:
     defaults = dict(TRAINING_DEFAULTS)
     if not torch.cuda.is_available():
         if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-            raise ValueError(
+            raise UserError(
                 "an FSDP launch on a machine without GPUs: accelerate shards models on GPUs only (on CPUs it would "
                 "run plain DDP); launch with configs/accelerate/multi_gpu.yaml, or on GPUs."
             )
@@ -123,6 +163,45 @@ def training_defaults() -> dict:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             defaults["use_cpu"] = True
     return defaults
+
+
+def check_launch() -> None:
+    """Refuse a launch that asked for several processes but started one. `accelerate launch --num_processes N`
+    without a config file runs its plain launcher (one process) unless it finds several GPUs, and `--cpu` never
+    starts more; that launcher still sets MASTER_ADDR/MASTER_PORT for the processes asked for, and ACCELERATE_USE_CPU
+    for every child, but WORLD_SIZE only comes with the launchers that start several (torchrun, the multi-GPU one)."""
+    env = os.environ
+    if "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env and "WORLD_SIZE" not in env:
+        raise UserError(
+            "accelerate launch asked for several processes but started one process (without a config file it "
+            "starts several only on several GPUs, and --cpu never does); launch with `torchrun --nproc_per_node N "
+            "training/train.py RECIPE` or `accelerate launch --config_file configs/accelerate/multi_gpu.yaml "
+            "training/train.py RECIPE`."
+        )
+
+
+class RecipeArgumentParser(HfArgumentParser):
+    """`HfArgumentParser` whose errors raise instead of printing argparse's usage and exiting: a recipe's bad value
+    is reported as the recipe's, not as a command-line option the user never typed."""
+
+    def error(self, message: str):
+        raise _ArgumentError(message)
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+def _parse(parser: RecipeArgumentParser, argv: list[str], section: str, source: str):
+    """The argparse namespace of `argv`: types converted, the dataclass not built yet."""
+    try:
+        return parser.parse_args(argv)
+    except _ArgumentError as error:
+        found = re.match(r"argument --([\w.-]+)(?:/\S+)?: (.*)", str(error))
+        fix = "fix it in the recipe" if source != "command line" else "fix the override"
+        if found:
+            raise UserError(f"{source}: {section}.{found[1]}: {found[2]}; {fix}.") from None
+        raise UserError(f"{source}: {section}: {error}; {fix}.") from None
 
 
 def _to_argv(values: dict) -> list[str]:
@@ -150,7 +229,7 @@ def _split_overrides(overrides: list[str], source: str) -> dict[str, list[str]]:
             key, _, inline = token[2:].partition("=")
             section, _, name = key.partition(".")
             if section not in SECTIONS or not name:
-                raise ValueError(
+                raise UserError(
                     f"override {token!r} ({source}) must name a section: --model.<field>, --data.<field> or "
                     f"--training.<field>."
                 )
@@ -158,7 +237,7 @@ def _split_overrides(overrides: list[str], source: str) -> dict[str, list[str]]:
             if inline:
                 per_section[section].append(inline)
         elif section is None:
-            raise ValueError(f"unexpected argument {token!r} ({source}); overrides look like --training.max_steps 10.")
+            raise UserError(f"unexpected argument {token!r} ({source}); overrides look like --training.max_steps 10.")
         else:
             per_section[section].append(token)
     return per_section
@@ -170,20 +249,36 @@ def _check_keys(section: str, keys, dataclass_type: type, source: str) -> None:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{source}: {section}.{key} is not a field of {dataclass_type.__name__}{hint}")
+            raise UserError(f"{source}: {section}.{key} is not a field of {dataclass_type.__name__}{hint}")
+
+
+def read_recipe(path: str | os.PathLike) -> dict:
+    """The sections of a YAML recipe; a missing file or broken YAML is a `UserError` naming the file (and the
+    line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingPathError(f"recipe {path} does not exist; give the path of a YAML recipe (configs/train/*.yaml).")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        what = ", ".join(filter(None, (getattr(error, "context", None), getattr(error, "problem", None))))
+        raise UserError(
+            f"{path}: {where}: not valid YAML ({what or one_line(error)}); fix the recipe there."
+        ) from None
+    if not isinstance(raw, dict) or set(raw) - set(SECTIONS):
+        unknown = sorted(set(raw) - set(SECTIONS)) if isinstance(raw, dict) else raw
+        raise UserError(f"{path}: unknown sections {unknown}; a recipe has model, data and training sections.")
+    return raw
 
 
 def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tuple:
-    """(ModelArguments, DataArguments, TrainingArguments) from a YAML recipe and `--section.field value` overrides."""
-    raw = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"recipe {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict) or set(raw) - set(SECTIONS):
-            unknown = sorted(set(raw) - set(SECTIONS)) if isinstance(raw, dict) else raw
-            raise ValueError(f"{path}: unknown sections {unknown}; a recipe has model, data and training sections.")
+    """(ModelArguments, DataArguments, ZooTrainingArguments) from a YAML recipe and `--section.field value`
+    overrides. Every mistake in them is a `UserError` naming the recipe (or the command line), the section and the
+    field, raised before any work."""
+    check_launch()
+    raw = read_recipe(path) if path is not None else {}
     source = str(path) if path is not None else "command line"
     per_section = _split_overrides(list(overrides), "command line")
     parsed = []
@@ -192,8 +287,23 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tu
         _check_keys(section, values, dataclass_type, source)
         _check_keys(section, [a[2:] for a in per_section[section] if a.startswith("--")], dataclass_type, "override")
         defaults = {k: v for k, v in training_defaults().items() if k not in values} if section == "training" else {}
-        argv = _to_argv(defaults) + _to_argv(values) + per_section[section]
-        (arguments,) = HfArgumentParser(dataclass_type).parse_args_into_dataclasses(args=argv)
+        parser = RecipeArgumentParser(dataclass_type)
+        recipe_argv = _to_argv(defaults) + _to_argv(values)
+        # the recipe's values alone first, so that a bad one is blamed on the recipe and a bad override on the
+        # command line; then both, the overrides last (the later value wins)
+        _parse(parser, recipe_argv, section, source)
+        namespace = _parse(parser, recipe_argv + per_section[section], section, "command line")
+        if section == "training":  # before TrainingArguments, which would refuse bf16 without naming the recipe
+            refuse_gpu_recipe_without_gpu(namespace.requires_gpu, namespace.cpu_recipe, source)
+        where = f"{source} and the command line" if per_section[section] and path is not None else source
+        try:
+            (arguments,) = parser.parse_args_into_dataclasses(args=recipe_argv + per_section[section])
+            if section == "model":
+                arguments.check_config()
+        except UserError as error:  # ours: the message names section.field already
+            raise type(error)(f"{where}: {error}") from None
+        except ValueError as error:  # transformers' own validation (TrainingArguments, the model config)
+            raise UserError(f"{where}: {section}: {one_line(error)}") from error
         parsed.append(arguments)
     return tuple(parsed)
 
@@ -213,7 +323,7 @@ def parent_train_tokens(init_from: str) -> int:
     """The pretraining tokens of `init_from`, from the training_summary.json that `hf-attn-zoo train` saves in it."""
     summary_path = Path(init_from) / "training_summary.json"
     if not summary_path.is_file():
-        raise ValueError(
+        raise MissingPathError(
             f"model.uptrain_fraction needs {summary_path} (written by hf-attn-zoo train) to know the parent's "
             f"pretraining tokens; set training.max_steps instead."
         )
@@ -230,16 +340,21 @@ def build_model(model_args: ModelArguments, tokenizer, block_size: int):
         if model_args.convert_num_key_value_heads is not None:
             model = mha_to_gqa(model, model_args.convert_num_key_value_heads, model_args.convert_method)
         if len(tokenizer) > model.config.vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
                 f"{model.config.vocab_size} embeddings; leave data.tokenizer empty to use the checkpoint's own."
             )
     else:
         variant = get_variant(model_args.variant)
         fields_ = {**model_args.config_fields(), **tokenizer_fields(tokenizer)}
-        model = variant.build(model_args.size, attn_implementation=model_args.attn_implementation, **fields_)
+        try:
+            model = variant.build(model_args.size, attn_implementation=model_args.attn_implementation, **fields_)
+        except UserError:
+            raise
+        except ValueError as error:  # the config's validation names the field
+            raise UserError(f"model: {one_line(error)}") from error
     if block_size > model.config.max_position_embeddings:
-        raise ValueError(
+        raise UserError(
             f"data.block_size={block_size} is longer than the model's max_position_embeddings="
             f"{model.config.max_position_embeddings}; lower data.block_size or raise max_position_embeddings."
         )
@@ -325,14 +440,17 @@ def resolve_resume(training_args: TrainingArguments) -> str | None:
     request = training_args.resume_from_checkpoint
     if not request:
         if existing:
-            raise ValueError(
+            raise UserError(
                 f"training.output_dir={output_dir} already holds {existing[-1].name}; resume with "
                 f"--training.resume_from_checkpoint latest, or choose another output_dir."
             )
         return None
     if str(request).lower() not in ("latest", "true"):
         if not (Path(request) / COMPLETE_MARKER).is_file():
-            raise ValueError(f"{request} is not a complete checkpoint (no {COMPLETE_MARKER}); it cannot be resumed.")
+            raise MissingPathError(
+                f"training.resume_from_checkpoint={request} is not a complete checkpoint (no {COMPLETE_MARKER}); "
+                f"resume from a complete one, or latest."
+            )
         return str(request)
     complete = complete_checkpoints(output_dir)
     if training_args.process_index == 0:
@@ -342,8 +460,82 @@ def resolve_resume(training_args: TrainingArguments) -> str | None:
             if step.isdigit() and int(step) > newest and not (folder / COMPLETE_MARKER).is_file():
                 folder.rename(folder.with_name(f"incomplete-{folder.name}"))
     if not complete:
-        raise ValueError(f"nothing to resume: {output_dir} holds no complete checkpoint.")
+        raise MissingPathError(f"nothing to resume: {output_dir} holds no complete checkpoint.")
     return str(complete[-1])
+
+
+class ZooTrainer(Trainer):
+    """The `Trainer`, with two fixes to resuming."""
+
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        # The Trainer checks max_steps only after a step (DefaultFlowCallback.on_step_end): a state restored at
+        # global_step >= max_steps in the middle of an epoch would train one more step (and write a checkpoint) on
+        # every resume. Starting past the last epoch runs none.
+        epochs_trained, steps_trained_in_current_epoch = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if max_steps > 0 and self.state.global_step >= max_steps:
+            return num_train_epochs, 0
+        return epochs_trained, steps_trained_in_current_epoch
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # A tied lm_head.weight is not saved (save_pretrained keeps one copy of shared tensors), so loading a
+        # checkpoint's state dict reports it missing on every resume; it is the embedding's, loaded with it.
+        # Genuinely missing keys are still reported.
+        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        missing = [key for key in load_result.missing_keys if key not in tied]
+        if len(missing) < len(load_result.missing_keys):
+            self.model.tie_weights()
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
+
+def checkpoint_step(checkpoint: str | os.PathLike) -> int:
+    """The optimizer steps a checkpoint holds (its trainer state's global step; else its folder name's)."""
+    state = Path(checkpoint) / "trainer_state.json"
+    if state.is_file():
+        return TrainerState.load_from_json(str(state)).global_step
+    return int(Path(checkpoint).name.split("-")[-1])
+
+
+def finished_summary(resume: str | None, training_args: TrainingArguments) -> dict | None:
+    """The saved summary of a run that `resume` shows already finished (its checkpoint at or past max_steps, the
+    summary and final model written from that step), or None: there is training (or the final save) left."""
+    if resume is None or training_args.max_steps <= 0:
+        return None
+    step = checkpoint_step(resume)
+    summary_path = Path(training_args.output_dir) / "training_summary.json"
+    if step < training_args.max_steps or not summary_path.is_file():
+        return None
+    summary = json.loads(summary_path.read_text())
+    if summary.get("steps") != step or not Path(summary.get("final_model", "")).is_dir():
+        return None
+    return summary
+
+
+def uptraining_steps(fraction: float, parent_tokens: int, tokens_per_step: int) -> int:
+    """Optimizer steps for `fraction` of the parent's pretraining tokens. Rounded to the nearest step, not up: the
+    grid compares fractions by the tokens they train, and the nearest step is off by at most half a step either way,
+    where ceil would always overshoot (a fraction worth 0.1 step would train a whole one, 10 times too much). So a
+    fraction worth less than half a step gives 0 steps: refused, since 0 means "score without training"."""
+    steps = round(fraction * parent_tokens / tokens_per_step)
+    if fraction > 0 and steps == 0:
+        half_step = tokens_per_step / (2 * parent_tokens)  # round() takes exactly half a step to 0 (to even)
+        smallest = _round_up(half_step * (1 + 1e-9))
+        raise UserError(
+            f"model.uptrain_fraction={fraction} of the parent's {parent_tokens} tokens is less than half a step of "
+            f"{tokens_per_step} tokens, so it would train 0 steps; the smallest fraction that gives one step is just "
+            f"over {half_step:.3g}: set model.uptrain_fraction to {smallest:g} or more (or 0 to score the converted "
+            f"model without training)."
+        )
+    return steps
+
+
+def _round_up(value: float, digits: int = 2) -> float:
+    """`value` rounded up to `digits` significant digits (a suggestion that still clears the bound)."""
+    scale = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return round(math.ceil(value / scale) * scale, 12)
 
 
 def save_final(trainer: Trainer, summary: dict, details: dict) -> Path:
@@ -371,7 +563,7 @@ def check_validation_fills_a_batch(blocks: int, data_args: DataArguments, traini
     leave it empty, and the run would end without a validation loss. Refused before training."""
     per_device, processes = training_args.per_device_eval_batch_size, training_args.world_size
     if training_args.dataloader_drop_last and blocks < per_device * processes:
-        raise ValueError(
+        raise UserError(
             f"the validation text gives {blocks} block(s) of data.block_size={data_args.block_size} tokens, fewer "
             f"than one evaluation batch (training.per_device_eval_batch_size={per_device} x {processes} process(es)) "
             f"with training.dataloader_drop_last: add validation text (data.validation_files, "
@@ -387,10 +579,29 @@ def run_training(
 ) -> dict:
     """Prepare data, build the model, train, evaluate and save. Returns the training summary (also written to
     `output_dir/training_summary.json`)."""
+    refuse_gpu_recipe_without_gpu(
+        getattr(training_args, "requires_gpu", False), getattr(training_args, "cpu_recipe", None), "the recipe"
+    )
     resume = resolve_resume(training_args)
     output_dir = Path(training_args.output_dir)
+    tokens_per_step = (
+        training_args.per_device_train_batch_size
+        * training_args.gradient_accumulation_steps
+        * training_args.world_size
+        * data_args.block_size
+    )
     if model_args.uptrain_fraction is not None:  # before any data work: the parent must say how long it trained
         parent_tokens = parent_train_tokens(model_args.init_from)
+        training_args.max_steps = uptraining_steps(model_args.uptrain_fraction, parent_tokens, tokens_per_step)
+    finished = finished_summary(resume, training_args)
+    if finished is not None:  # nothing to train: report the run as it ended, writing nothing
+        if training_args.process_index == 0:
+            print(
+                f"{output_dir}: training already finished at step {finished['steps']} (training.max_steps="
+                f"{training_args.max_steps}), validation perplexity {finished['validation_perplexity']}; nothing "
+                f"trained or written (raise training.max_steps to train on)."
+            )
+        return finished
     set_seed(training_args.seed)  # the model's initialisation must not depend on what ran before in the process
     if model_args.init_from is not None and data_args.tokenizer is None:
         data_args.tokenizer = source_folder(model_args.init_from)
@@ -404,14 +615,6 @@ def run_training(
             tokenizer.save_pretrained(shared_tokenizer)
     check_validation_fills_a_batch(len(validation_blocks), data_args, training_args)
     model = build_model(model_args, tokenizer, data_args.block_size)
-    tokens_per_step = (
-        training_args.per_device_train_batch_size
-        * training_args.gradient_accumulation_steps
-        * training_args.world_size
-        * data_args.block_size
-    )
-    if model_args.uptrain_fraction is not None:
-        training_args.max_steps = round(model_args.uptrain_fraction * parent_tokens / tokens_per_step)
     config: ZooConfig = model.config
     head_dim = getattr(config, "head_dim", config.hidden_size)
     flops_per_token = (
@@ -424,7 +627,7 @@ def run_training(
         "packing": data_args.packing,
         "unigram baseline perplexity": round(unigram, 2),
     }
-    trainer = Trainer(
+    trainer = ZooTrainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,

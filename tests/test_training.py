@@ -31,8 +31,9 @@ class FakeTokenizer:
 @pytest.mark.parametrize("recipe", RECIPES, ids=[path.stem for path in RECIPES])
 def test_every_shipped_recipe_loads_and_builds_its_model(recipe, tmp_path):
     overrides = ["--training.output_dir", str(tmp_path)]
-    if not torch.cuda.is_available() and "bf16: true" in recipe.read_text():
-        overrides += ["--training.bf16", "false"]  # TrainingArguments refuses bf16 on a machine without a GPU
+    if not torch.cuda.is_available() and "requires_gpu: true" in recipe.read_text():
+        # such a recipe is refused on a machine without a GPU, and TrainingArguments refuses its bf16 there
+        overrides += ["--training.requires_gpu", "false", "--training.bf16", "false"]
     model_args, data_args, training_args = load_recipe(recipe, overrides)
     with torch.device("meta"):
         model = build_model(model_args, FakeTokenizer(data_args.vocab_size), data_args.block_size)
@@ -174,3 +175,51 @@ def test_two_processes_on_cpu(tmp_path):
     assert summary["world_size"] == 2 and summary["distributed"] == "MULTI_CPU"
     assert summary["train_tokens"] == 16 * 8 * 2 * 64  # steps x batch x ranks x block
     assert summary["losses"][-1] < summary["losses"][0] - 0.5
+
+
+def listing(folder: Path) -> dict[str, int]:
+    """Every path under `folder` with its modification time: what a run wrote."""
+    return {str(path.relative_to(folder)): path.stat().st_mtime_ns for path in sorted(folder.rglob("*"))}
+
+
+def test_a_finished_run_resumed_is_a_no_op_and_a_raised_max_steps_trains_on(tmp_path, capfd, caplog):
+    run = tmp_path / "run"
+    common = ["--training.save_steps", 2, "--training.logging_steps", 1, "--training.resume_from_checkpoint", "latest"]
+    first = tiny_run(run, "--training.max_steps", 4, "--training.save_steps", 2, "--training.logging_steps", 1)
+    before = listing(run)
+    capfd.readouterr()
+    again = tiny_run(run, "--training.max_steps", 4, *common)
+    assert "already" in capfd.readouterr().out
+    assert (again["steps"], again["validation_perplexity"]) == (4, first["validation_perplexity"])
+    assert listing(run) == before  # no new checkpoint, no final.before-*, no rewritten summary
+    more = tiny_run(run, "--training.max_steps", 6, *common)
+    assert more["steps"] == 6 and len(more["losses"]) == 6 and more["losses"][:4] == first["losses"]
+    assert "missing keys" not in caplog.text  # the tied lm_head.weight is not reported as missing on resume
+
+
+def test_a_run_stopped_after_its_last_checkpoint_finishes_without_another_step(tmp_path):
+    """The last checkpoint is at max_steps but the final model was never written (a crash in between): resuming
+    evaluates and saves it, training no further step (the Trainer would take one more from a mid-epoch state)."""
+    run = tmp_path / "run"
+    first = tiny_run(run, "--training.max_steps", 4, "--training.save_steps", 2, "--training.logging_steps", 1)
+    (run / "training_summary.json").unlink()
+    resumed = tiny_run(
+        run, "--training.max_steps", 4, "--training.save_steps", 2, "--training.resume_from_checkpoint", "latest"
+    )
+    assert resumed["steps"] == 4 and resumed["losses"] == first["losses"]
+    assert resumed["validation_perplexity"] == pytest.approx(first["validation_perplexity"], rel=1e-6)
+    assert not (run / "checkpoint-5").exists()
+
+
+def test_the_demo_run_again_changes_nothing(tmp_path, capsys):
+    from hf_attn_zoo.demo import DemoOptions, run_demo
+
+    options = DemoOptions(output_dir=str(tmp_path / "demo"), max_steps=4, max_documents=8, max_new_tokens=3)
+    first = run_demo(options)
+    before = listing(tmp_path / "demo")
+    capsys.readouterr()
+    second = run_demo(options)
+    assert "already" in capsys.readouterr().out
+    assert (second["steps"], second["validation_perplexity"]) == (4, first["validation_perplexity"])
+    assert listing(tmp_path / "demo") == before
+    assert not list((tmp_path / "demo").glob("final.before-*"))
