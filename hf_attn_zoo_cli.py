@@ -305,21 +305,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: Command = namespace.command_
     try:
         if command.passes_through:
-            return command.function()(argv[len(namespace.path_) :]) or 0
-        if rest:
-            parser.parse_args(argv)  # the usual error naming the unknown arguments
-        options = None
-        if command.options is not None:
-            names = (f.name for f in dataclasses.fields(command.options) if f.init)
-            options = command.options(**{name: getattr(namespace, name) for name in names})
-        status = command.function()(options)
+            status = command.function()(argv[len(namespace.path_) :])
+        else:
+            if rest:
+                parser.parse_args(argv)  # the usual error naming the unknown arguments
+            options = None
+            if command.options is not None:
+                names = (f.name for f in dataclasses.fields(command.options) if f.init)
+                options = command.options(**{name: getattr(namespace, name) for name in names})
+            status = command.function()(options)
     except Exception as error:
         from hf_attn_zoo.errors import UserError, report  # the package is imported by now: a command ran
 
         if not isinstance(error, UserError):
             raise
         return report(error, " ".join((PROG, *namespace.path_)))
-    return status if isinstance(status, int) else 0
+    return status if isinstance(status, int) else 0  # functions may return what they made (a summary, a path)
 
 
 if __name__ == "__main__":
