@@ -129,7 +129,7 @@ def write_results(
     log: Callable[[str], None] = print,
 ) -> None:
     """Print `table` and write it to `<stem>.md`, `data` to `<stem>.json` (paths as strings), and each plot
-    `file name -> draw(path)`; `draw` returns False when matplotlib is missing (`pip install hf-attn-zoo[plots]`)."""
+    `file name -> draw(path)`; `draw` returns False when matplotlib is missing (the `plots` extra)."""
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     written = []

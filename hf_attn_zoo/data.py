@@ -142,28 +142,29 @@ def stdlib_corpus_files() -> list[Path]:
     return sorted(files)
 
 
-def expand_files(paths: list[str], role: str) -> list[Path]:
+def expand_files(paths: list[str], field: str) -> list[Path]:
     """Files named, matched (glob patterns such as `sotu/19*.txt`) or contained in `paths` (directories
-    recursively, text and JSON lines files), in that order."""
+    recursively, text and JSON lines files), in that order. `field` names where the paths came from in errors
+    (`data.train_files` in a recipe, `--data` on the command line)."""
     files = []
     for name in paths:
         path = Path(name).expanduser()
         if glob.has_magic(str(path)):
             matched = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
             if not matched:
-                raise MissingPathError(f"data.{role}: no file matches {path}; fix the pattern in the recipe.")
+                raise MissingPathError(f"{field}: no file matches {path}; fix the pattern.")
             files.extend(matched)
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | JSON_SUFFIXES)
             if not found:
                 raise MissingPathError(
-                    f"data.{role}: the directory {path} holds no text files ({sorted(TEXT_SUFFIXES | JSON_SUFFIXES)})."
+                    f"{field}: the directory {path} holds no text files ({sorted(TEXT_SUFFIXES | JSON_SUFFIXES)})."
                 )
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise MissingPathError(f"data.{role}: {path} does not exist; fix the path in the recipe.")
+            raise MissingPathError(f"{field}: {path} does not exist; fix the path.")
     return files
 
 
@@ -198,13 +199,13 @@ def load_text_splits(args: DataArguments):
         validation = loaded["validation"] if "validation" in loaded else None
     else:
         train = (
-            load_documents(expand_files(args.train_files, "train_files"), args.text_field)
+            load_documents(expand_files(args.train_files, "data.train_files"), args.text_field)
             if args.train_files
             else load_documents(stdlib_corpus_files(), "text")
         )
         validation = None
         if args.validation_files:
-            validation = load_documents(expand_files(args.validation_files, "validation_files"), args.text_field)
+            validation = load_documents(expand_files(args.validation_files, "data.validation_files"), args.text_field)
     train = train.filter(lambda record: bool(record["text"] and record["text"].strip()))
     if len(train) == 0:
         raise UserError("the training corpus is empty: every document is blank; check data.train_files.")

@@ -8,33 +8,16 @@ that it needs nothing but the installed package.
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
+from hf_attn_zoo_cli import DemoOptions
+
 from .data import DataArguments
 from .models import get_variant
 from .training import ModelArguments, complete_checkpoints, run_training
-
-
-@dataclass
-class DemoOptions:
-    variant: str = field(default="gqa", metadata={"help": "registered variant (see `hf-attn-zoo list`)"})
-    max_steps: int = field(default=600, metadata={"help": "optimizer steps (about 3 minutes on 2 CPU cores)"})
-    max_documents: int | None = field(
-        default=None, metadata={"help": "train on the first N documents only (quick runs)"}
-    )
-    prompt: str = field(default="def ", metadata={"help": "text to continue"})
-    max_new_tokens: int = field(default=60, metadata={"help": "tokens to generate"})
-    output_dir: str = field(default="outputs/demo", metadata={"help": "where the run and the final model go"})
-    seed: int = field(default=0, metadata={"help": "random seed"})
-    packing: str = field(
-        default="eos",
-        metadata={"help": "eos (documents joined with EOS) or documents (padding-free, each document alone)"},
-    )
-
 
 # A small model: 4 layers x 192 (2.6M parameters with the 4096-token vocabulary); heads follow each variant's own
 # defaults beyond the count given here (single-head and AFT variants take no head count).

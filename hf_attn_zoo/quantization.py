@@ -18,7 +18,7 @@ once per installation, about a minute and a half on 2 cores), which needs a C++ 
 builds it up front for a model on CPU: one logged line before the wait, and a one-line error naming what to install
 when the compiler is missing, instead of a silent first `generate()` or a compiler traceback in the middle of it.
 
-Both need the `quant` extra: `pip install "hf-attn-zoo[quant]"` (torchao, optimum-quanto).
+Both need the `quant` extra (torchao, optimum-quanto): `pip install -e ".[quant]"` in a clone of hf_attn_zoo.
 """
 
 import logging
@@ -41,7 +41,7 @@ def _torchao_config(mode: str):
     try:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
     except ImportError as error:
-        raise ImportError('int8 weights need torchao: pip install "hf-attn-zoo[quant]"') from error
+        raise ImportError('int8 weights need torchao: pip install -e ".[quant]" in a clone of hf_attn_zoo') from error
     return Int8WeightOnlyConfig() if mode == "weight_only" else Int8DynamicActivationInt8WeightConfig()
 
 
@@ -67,7 +67,9 @@ def quantized_cache_kwargs(model: PreTrainedModel, nbits: int = 4, residual_leng
     try:
         import optimum.quanto  # noqa: F401
     except ImportError as error:
-        raise ImportError('a quantized cache needs optimum-quanto: pip install "hf-attn-zoo[quant]"') from error
+        raise ImportError(
+            'a quantized cache needs optimum-quanto: pip install -e ".[quant]" in a clone of hf_attn_zoo'
+        ) from error
     if nbits not in (2, 4):
         raise ValueError(f"nbits={nbits}: the quanto cache stores 2- or 4-bit integers; use 2 or 4.")
     if model.device.type == "cpu":

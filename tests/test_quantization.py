@@ -46,7 +46,7 @@ def test_int8_weights_with_torchao(tmp_path):
     if TORCHAO_SITE.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TORCHAO_SITE), env.get("PYTHONPATH")]))
     if importlib.machinery.PathFinder.find_spec("torchao", [str(TORCHAO_SITE), *sys.path]) is None:
-        pytest.skip('torchao is not installed: pip install "hf-attn-zoo[quant]", or set up with dev.py')
+        pytest.skip('torchao is not installed: pip install -e ".[quant]" in a clone, or set up with dev.py')
     result = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-o", "python_functions=torchao_test_*", "-p", "no:cacheprovider"]
         + ["-q", f"--basetemp={tmp_path}"],

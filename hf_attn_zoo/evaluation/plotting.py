@@ -1,4 +1,5 @@
-"""Benchmark plots are optional (`pip install "hf-attn-zoo[plots]"`) and always go to files, never to a window."""
+"""Benchmark plots are optional (the `plots` extra: `pip install -e ".[plots]"` in a clone of hf_attn_zoo) and always
+go to files, never to a window."""
 
 from pathlib import Path
 
