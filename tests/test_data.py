@@ -111,12 +111,12 @@ def test_missing_paths_are_named_as_such(tmp_path):
     from hf_attn_zoo.errors import MissingPathError
 
     with pytest.raises(MissingPathError, match=r"data\.train_files: .*missing\.txt does not exist"):
-        expand_files([str(tmp_path / "missing.txt")], "train_files")
+        expand_files([str(tmp_path / "missing.txt")], "data.train_files")
     with pytest.raises(MissingPathError, match=r"data\.train_files: no file matches"):
-        expand_files([str(tmp_path / "*.txt")], "train_files")
+        expand_files([str(tmp_path / "*.txt")], "data.train_files")
     (tmp_path / "empty").mkdir()
     with pytest.raises(MissingPathError, match=r"holds no text files"):
-        expand_files([str(tmp_path / "empty")], "validation_files")
+        expand_files([str(tmp_path / "empty")], "data.validation_files")
     (tmp_path / "a.txt").write_text(TEXT)
     (tmp_path / "b.txt").write_text(TEXT)
     args = DataArguments(
