@@ -126,7 +126,7 @@ for line, code in json.load(open(sys.argv[1])):
 
 @pytest.mark.slow
 def test_the_python_blocks_run_in_order(tmp_path, monkeypatch):
-    """Every Python block, as written, in one interpreter, in README order (about 2-3 minutes: a short demo, the
+    """Every Python block, as written, in one interpreter, in README order (35-75 s here: a short demo, the
     classifier trains, the decode step compiles). The int8 block needs the `quant` extra: the interpreter gets the
     torchao that `python3 dev.py` keeps beside the environment, as `pip install -e ".[quant]"` would provide."""
     from hf_attn_zoo_cli import main
