@@ -88,7 +88,7 @@ def evaluate_command(options: EvalOptions) -> dict:
     check_model_folder(source, gguf_file=options.gguf_file)
     gguf = {"gguf_file": options.gguf_file} if options.gguf_file else {}
     config = from_pretrained(AutoConfig, source, trust_remote_code=options.trust_remote_code, **gguf)
-    window_lengths(config, options.max_length, options.stride)
+    window_lengths(config, options.max_length, options.stride, notice=False)  # score_texts prints the notice
     model, tokenizer = load_for_scoring(source, options.trust_remote_code, options.gguf_file)
     result = score_texts(
         model, tokenizer, texts, options.max_length, options.stride, options.batch_size, progress=not options.json

@@ -73,7 +73,9 @@ def position_limit(config, tokenizer=None) -> int | None:
     return None
 
 
-def window_lengths(config, max_length: int | None, stride: int | None, tokenizer=None) -> tuple[int, int]:
+def window_lengths(
+    config, max_length: int | None, stride: int | None, tokenizer=None, notice: bool = True
+) -> tuple[int, int]:
     """(max_length, stride) of the windows for a model of `config`: its limit and disjoint windows by default. 0 or a
     negative number, or a window longer than the model's positions, is refused naming the limit (`UserError`), except
     for positions that extrapolate by design (`EXTRAPOLATING_POSITIONS`), which are scored with a printed notice."""
@@ -93,11 +95,12 @@ def window_lengths(config, max_length: int | None, stride: int | None, tokenizer
                 f"its positions are {positions or 'not known to extrapolate'}): use max_length <= {limit}, or a "
                 f"model with positions that extrapolate ({', '.join(EXTRAPOLATING_POSITIONS)})"
             )
-        print(
-            f"note: windows of {max_length} tokens, beyond the model's max_position_embeddings={limit}; its "
-            f"{positions} positions extrapolate by design",
-            file=sys.stderr,
-        )
+        if notice:
+            print(
+                f"note: windows of {max_length} tokens, beyond the model's max_position_embeddings={limit}; its "
+                f"{positions} positions extrapolate by design",
+                file=sys.stderr,
+            )
     stride = max_length if stride is None else stride
     if stride > max_length:
         raise UserError(
