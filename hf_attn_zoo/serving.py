@@ -20,6 +20,7 @@ from pathlib import Path
 import transformers
 from transformers import AutoConfig
 
+from .loading import check_model_folder
 from .models import VARIANTS, get_variant
 
 
@@ -69,6 +70,7 @@ def serve(
             file=sys.stderr,
         )
         return 2
+    check_model_folder(checkpoint)  # a mistyped folder is one line here, not a Hub error from the server's loader
     if continuous_batching:
         refusal = continuous_batching_refusal(checkpoint, trust_remote_code)
         if refusal is not None:

@@ -181,6 +181,7 @@ def text_file(tmp_path) -> Path:
         ["eval", "{missing}", "--data", "{text}"],
         ["convert", "{missing}", "{out}", "--to", "mqa"],
         ["attention", "{missing}", "some text"],
+        ["serve", "{missing}"],
     ],
     ids=lambda argv: argv[0],
 )
