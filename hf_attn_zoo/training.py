@@ -22,6 +22,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -155,11 +157,6 @@ def training_defaults() -> dict:
     (accelerate otherwise starts each as a lone, non-distributed run: no gloo group, no DDP), no pinned memory."""
     defaults = dict(TRAINING_DEFAULTS)
     if not torch.cuda.is_available():
-        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-            raise UserError(
-                "an FSDP launch on a machine without GPUs: accelerate shards models on GPUs only (on CPUs it would "
-                "run plain DDP); launch with configs/accelerate/multi_gpu.yaml, or on GPUs."
-            )
         defaults["dataloader_pin_memory"] = False
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             defaults["use_cpu"] = True
@@ -455,7 +452,15 @@ def resolve_resume(training_args: TrainingArguments) -> str | None:
 
 
 class ZooTrainer(Trainer):
-    """The `Trainer`, with two fixes to resuming."""
+    """The `Trainer`, with two fixes to resuming, and FSDP on CPU processes."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        enable_fsdp_on_cpu(self)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        with unsharded_class(self.model):
+            super()._save(output_dir, state_dict=state_dict)
 
     def _init_training_state(
         self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
@@ -479,6 +484,52 @@ class ZooTrainer(Trainer):
         if len(missing) < len(load_result.missing_keys):
             self.model.tie_weights()
         super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
+
+@contextmanager
+def unsharded_class(model: torch.nn.Module) -> Iterator[None]:
+    """The model saved as its own class, not FSDP2's: `fully_shard` gives the model a class of its own
+    (`FSDPZooGQAForCausalLM`, in a torch module), and `save_pretrained` would name it in the config's `auto_map`
+    and copy torch's FSDP sources beside the weights as "remote code". Saving reads the state dict it is given and
+    runs no forward, so the class is swapped back for the save only."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = type(model)
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.__class__ = next(cls for cls in sharded.__mro__ if not issubclass(cls, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = sharded
+
+
+def enable_fsdp_on_cpu(trainer: Trainer) -> None:
+    """Shard with FSDP over gloo CPU processes when the launch asked for FSDP (accelerate's FSDP config, or the
+    Trainer's `fsdp`). accelerate turns FSDP on only over accelerator devices: on CPU processes (MULTI_CPU) it drops
+    the FSDP plugin and would run plain DDP, although FSDP2 (`fully_shard`) itself shards over gloo. So the state
+    is switched to FSDP after the fact, with the plugin the launch described; `accelerator.prepare` then shards the
+    model as on GPUs. FSDP version 1 is not switched on: on CPU it is left to run as DDP, as accelerate does."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    wanted = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" or trainer.args.fsdp_plugin_args is not None
+    if not wanted or state.distributed_type != DistributedType.MULTI_CPU or getattr(state, "fsdp_plugin", None):
+        return
+    plugin_args = trainer.args.fsdp_plugin_args or {}
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)  # unset fields come from accelerate's FSDP_* variables
+    if plugin.fsdp_version != 2:
+        raise UserError(
+            "FSDP version 1 on CPU processes: accelerate does not shard with it there; use fsdp_version: 2 "
+            "(configs/accelerate/fsdp_cpu.yaml)."
+        )
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    # as accelerate does for GPUs: every later AcceleratorState() copies the process state's distributed type
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
 
 
 def checkpoint_step(checkpoint: str | os.PathLike) -> int:
