@@ -307,3 +307,21 @@ def test_optional_outputs_and_tuples(name, position):
                 torch.testing.assert_close(real.sum(-1), torch.ones_like(real.sum(-1)))
             assert torch.all(real.triu(1) == 0), "attention to the future"
             assert torch.all(weights[i, :, -len(row) :, : length - len(row)] == 0), "attention to padding"
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_residual_projections_start_scaled(name):
+    """GPT-2's init: o_proj and down_proj, which write into the residual stream, start at std / sqrt(2L), the other
+    projections at std (`scale_residual_init`). transformers skips `_init_weights` on a module without parameters
+    of its own (the decoder layer) for custom-code models, so the scaling must hang on the projections themselves."""
+    torch.manual_seed(0)
+    variant = VARIANTS[name]
+    for scaled in (True, False):
+        config = variant.config("tiny", vocab_size=64, scale_residual_init=scaled)  # 2 layers x 64: ratio 1/2
+        layer = variant.causal_lm_class(config).model.layers[0]
+        expected = (
+            config.initializer_range / (2 * config.num_hidden_layers) ** 0.5 if scaled else config.initializer_range
+        )
+        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert projection.weight.std().item() == pytest.approx(expected, rel=0.1), (name, scaled)
+        assert layer.mlp.up_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)

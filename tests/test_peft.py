@@ -165,7 +165,10 @@ def test_all_linear_wraps_the_documented_modules_and_merges(name):
         assert not torch.allclose(adapted_logits, base_logits)
         merged = peft_model.merge_and_unload()
         assert type(merged) is VARIANTS[name].causal_lm_class
-        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=ATOL)
+        # merging adds s·BA into W: the same sums, reassociated, whose rounding scales with the logits (up to ~5
+        # with this init and random adapters), so 1e-5 relative to their largest
+        scale = adapted_logits.abs().max().item()
+        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=0, atol=ATOL * scale)
 
 
 def test_lora_target_modules_cover_every_variant():

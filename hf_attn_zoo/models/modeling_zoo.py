@@ -265,6 +265,9 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = make_norm(config)
         self.mlp = ZooMLP(config)
         self.hidden_dropout = config.hidden_dropout
+        # the two projections that write into the residual stream: `_init_weights` gives them GPT-2's scaled init
+        for projection in (self.self_attn.o_proj, self.mlp.down_proj):
+            projection.writes_residual = True
 
     def forward(
         self,
@@ -312,11 +315,11 @@ class ZooPreTrainedModel(PreTrainedModel):
         if isinstance(module, ZooModule):
             module.init_parameters(self.config)
         # GPT-2: the projections writing into the residual stream start smaller, std / sqrt(2L), so the variance of
-        # the stream does not grow with depth. Children are initialised before their parent, so this wins.
-        if isinstance(module, ZooDecoderLayer) and self.config.scale_residual_init:
+        # the stream does not grow with depth. Decided on the projection itself, not on its decoder layer:
+        # transformers never calls `_init_weights` on a module without parameters of its own for custom-code models.
+        if getattr(module, "writes_residual", False) and self.config.scale_residual_init:
             std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
-            init.normal_(module.self_attn.o_proj.weight, mean=0.0, std=std)
-            init.normal_(module.mlp.down_proj.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=std)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
