@@ -10,8 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_attn_zoo.training import load_recipe, run_training
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
 FSDP_CPU = ROOT / "configs" / "accelerate" / "fsdp_cpu.yaml"
@@ -20,18 +18,18 @@ TOLERANCE = 1e-4  # fp32: the sharded run sums the same gradients in another ord
 
 
 def single_process(output_dir: Path, *overrides) -> dict:
-    """The baseline: one process on the global batch of the 2-process run. accelerate hands global batch i's first
-    half to rank 0 and its second half to rank 1, so both see the same blocks in the same order."""
-    args = [
-        "--training.output_dir",
-        str(output_dir),
-        "--training.report_to",
-        "none",
-        "--training.per_device_train_batch_size",
-        str(2 * PER_DEVICE),
-        *map(str, overrides),
-    ]
-    return run_training(*load_recipe(TINY, args))
+    """The baseline: one process on the global batch of the 2-process run (accelerate hands global batch i's first
+    half to rank 0 and its second half to rank 1, so both see the same blocks in the same order). A fresh process,
+    as the sharded ranks are: nothing earlier tests left in this one can shift its numbers."""
+    command = [sys.executable, str(ROOT / "training" / "train.py"), str(TINY), *common_overrides(output_dir)]
+    command += ["--training.per_device_train_batch_size", str(2 * PER_DEVICE), *map(str, overrides)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=output_dir.parent, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads((output_dir / "training_summary.json").read_text())
+
+
+def common_overrides(output_dir: Path) -> list[str]:
+    return ["--training.output_dir", str(output_dir), "--training.report_to", "none"]
 
 
 def sharded(output_dir: Path, port: int, *overrides) -> dict:
@@ -46,10 +44,7 @@ def sharded(output_dir: Path, port: int, *overrides) -> dict:
         str(port),
         str(ROOT / "training" / "train.py"),
         str(TINY),
-        "--training.output_dir",
-        str(output_dir),
-        "--training.report_to",
-        "none",
+        *common_overrides(output_dir),
         "--training.per_device_train_batch_size",
         str(PER_DEVICE),
         *map(str, overrides),
