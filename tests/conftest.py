@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def free_port() -> int:
+    """A TCP port free right now, for a server or a process group's rendezvous: fixed ports collide when two test
+    runs share a machine."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]

@@ -14,6 +14,8 @@ from hf_attn_zoo import training
 from hf_attn_zoo.errors import MissingPathError, UserError
 from hf_attn_zoo.training import load_recipe, run_training
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
 GPU_RECIPE = ROOT / "configs" / "train" / "base_gqa_gpu.yaml"
@@ -133,7 +135,8 @@ def test_train_script_is_silent_on_other_ranks(tmp_path):
 @pytest.mark.slow
 def test_train_script_under_torchrun_prints_once(tmp_path):
     path = recipe(tmp_path, "training:\n  max_steps: forty\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    port = str(free_port())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     result = subprocess.run(
         [*command, str(TRAIN_SCRIPT), str(path)], capture_output=True, text=True, cwd=tmp_path, timeout=300
     )

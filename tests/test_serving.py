@@ -10,7 +10,6 @@ naming the variant, the reason and what to run instead. The refusal itself is ch
 
 import concurrent.futures
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from hf_attn_zoo import cli
 from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.serving import continuous_batching_refusal
 
-from conftest import CONFORMANCE, tiny_model
+from conftest import CONFORMANCE, free_port, tiny_model
 
 NAMES = [name for name in VARIANTS if name in CONFORMANCE]
 # transformers serves Mistral (causal window) under continuous batching: these must serve exactly there too
@@ -81,12 +80,6 @@ def expected_texts(folder: Path) -> dict[str, list[str]]:
         for chat in CHATS
     ]
     return {"chat": chats, "completion": [answer(tokenizer(p, return_tensors="pt")) for p in PROMPTS]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
 
 
 def serve_process(folder: Path, port: int, log: Path, *flags: str) -> subprocess.Popen:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
 FSDP_CPU = ROOT / "configs" / "accelerate" / "fsdp_cpu.yaml"
@@ -82,7 +84,7 @@ def assert_same_logits(sharded_final: str, single_final: str) -> None:
 def test_fsdp2_on_two_cpu_processes_matches_one_process(tmp_path):
     common = ["--training.max_steps", 6, "--training.save_steps", 6, "--training.logging_steps", 1]
     one = single_process(tmp_path / "single", *common)
-    two = sharded(tmp_path / "sharded", 29531, *common)
+    two = sharded(tmp_path / "sharded", free_port(), *common)
     assert_same_run(two, one, 6)
     assert_same_logits(two["final_model"], one["final_model"])
 
@@ -92,12 +94,12 @@ def test_a_sharded_run_resumed_continues_the_same_trajectory(tmp_path):
     common = ["--training.max_steps", 12, "--training.save_steps", 6, "--training.logging_steps", 1]
     one = single_process(tmp_path / "single", *common)
     run = tmp_path / "sharded"
-    sharded(run, 29533, *common)
+    sharded(run, free_port(), *common)
     # as if the run had stopped after checkpoint-6: its later checkpoint, summary and final model gone
     for leftover in [run / "checkpoint-12", run / "final"]:
         subprocess.run(["rm", "-rf", str(leftover)], check=True)
     (run / "training_summary.json").unlink()
-    resumed = sharded(run, 29535, *common, "--training.resume_from_checkpoint", "latest")
+    resumed = sharded(run, free_port(), *common, "--training.resume_from_checkpoint", "latest")
     assert_same_run(resumed, one, 12)
     assert_same_logits(resumed["final_model"], one["final_model"])
 
@@ -108,6 +110,6 @@ def test_every_family_shards(tmp_path, variant):
     common = ["--model.variant", variant, "--training.max_steps", 8, "--training.save_steps", 8]
     common += ["--training.logging_steps", 1]
     one = single_process(tmp_path / "single", *common)
-    two = sharded(tmp_path / "sharded", 29541, *common)
+    two = sharded(tmp_path / "sharded", free_port(), *common)
     assert_same_run(two, one, 8)
     assert_same_logits(two["final_model"], one["final_model"])

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.training import COMPLETE_MARKER, build_model, load_recipe, run_training
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs" / "train").glob("*.yaml"))
 TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
@@ -157,7 +159,7 @@ def test_two_processes_on_cpu(tmp_path):
         "--nproc_per_node",
         "2",
         "--master_port",
-        "29517",
+        str(free_port()),
         str(ROOT / "training" / "train.py"),
         str(TINY),
         "--training.output_dir",
