@@ -7,7 +7,9 @@ naming it, as are missing files, an empty corpus or a block size beyond the mode
 
 Launching: one process (`hf-attn-zoo train CONFIG`, `python training/train.py CONFIG`), or several with
 `torchrun --nproc_per_node N training/train.py CONFIG` / `accelerate launch --config_file
-configs/accelerate/multi_gpu.yaml training/train.py CONFIG` (DDP; gloo on a machine without GPUs).
+configs/accelerate/multi_gpu.yaml training/train.py CONFIG` (DDP; gloo on a machine without GPUs). Sharded:
+`configs/accelerate/fsdp.yaml` (FSDP2 on GPUs), `fsdp_cpu.yaml` (FSDP2 over gloo CPU processes, switched on by
+`ZooTrainer`, which accelerate does not do there), `zero2.yaml` / `zero3.yaml` (DeepSpeed, the `deepspeed` extra).
 
 Checkpoints are crash-safe: `checkpoint-N` counts as complete only once its marker file is written, after every file
 of it; resuming (`--training.resume_from_checkpoint latest`) takes the newest complete one and moves an incomplete one
