@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from accelerate.utils import gather_object
 from transformers import (
     AutoModelForCausalLM,
     HfArgumentParser,
@@ -138,6 +139,13 @@ class ZooTrainingArguments(TrainingArguments):
     cpu_recipe: str | None = field(
         default=None, metadata={"help": "the recipe to use instead on a machine without a GPU (named in the refusal)"}
     )
+
+    def __post_init__(self) -> None:
+        # `fsdp: true` is the Trainer's documented switch, but the field is typed `str`, so a recipe or the command
+        # line hands over the text "true", which the Trainer rejects as an unknown FSDP option
+        if isinstance(self.fsdp, str) and self.fsdp.strip().lower() in ("true", "1", "yes"):
+            self.fsdp = True
+        super().__post_init__()
 
 
 SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": ZooTrainingArguments}
@@ -350,9 +358,117 @@ def build_model(model_args: ModelArguments, tokenizer, block_size: int):
     return model
 
 
+def parameter_count(parameter: torch.Tensor) -> int:
+    """A parameter's elements, whole: under ZeRO-3 a parameter is an empty placeholder and `ds_numel` its size
+    (FSDP2's DTensors report their whole size themselves)."""
+    return getattr(parameter, "ds_numel", parameter.numel())
+
+
 def non_embedding_parameters(model) -> int:
-    embedding = model.get_input_embeddings().weight.numel()
-    return sum(p.numel() for p in model.parameters()) - embedding
+    embedding = parameter_count(model.get_input_embeddings().weight)
+    return sum(parameter_count(p) for p in model.parameters()) - embedding
+
+
+def _local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter or state tensor this process holds: ZeRO-3 keeps it in `ds_tensor`, FSDP2 in the
+    DTensor's local tensor; unsharded tensors are whole."""
+    if hasattr(tensor, "ds_tensor"):
+        return tensor.ds_tensor
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def held_training_state(model: torch.nn.Module, optimizer) -> int:
+    """Bytes of parameters and optimizer state this process holds, each storage counted once: the parameters' local
+    shards and every tensor of the optimizers along the wrapper chain (accelerate's wrapper, DeepSpeed's ZeRO
+    optimizer, whose torch optimizer steps fp32 partitions of its own). Gradients are left out: the Trainer frees
+    them after every step. Counted from the tensors themselves, so it is what each engine really keeps."""
+    storages: dict[int, int] = {}
+
+    def add(tensor) -> None:
+        if isinstance(tensor, torch.Tensor):
+            storage = _local_shard(tensor).untyped_storage()
+            if storage.data_ptr():
+                storages[storage.data_ptr()] = storage.nbytes()
+
+    for parameter in model.parameters():
+        add(parameter)
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    add(parameter)
+            for state in optimizer.state.values():
+                for value in state.values():
+                    add(value)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return sum(storages.values())
+
+
+def _reset_peaks() -> None:
+    """Restart this process's peak memory counters: the resident set's high-water mark (Linux's
+    /proc/self/clear_refs; elsewhere it stays the whole process's peak) and the CUDA allocator's."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peaks() -> dict[str, int]:
+    """Bytes at the peaks since the last `_reset_peaks`: the resident set's and, on a GPU, the CUDA allocator's."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        line = next(line for line in status.read_text().splitlines() if line.startswith("VmHWM:"))
+        resident = int(line.split()[1]) * 1024
+    else:
+        import resource
+
+        resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        resident *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+    peaks = {"resident": resident}
+    if torch.cuda.is_available():
+        peaks["cuda"] = torch.cuda.max_memory_allocated()
+    return peaks
+
+
+class MemoryCallback(TrainerCallback):
+    """This process's peak memory while it trains, twice: over all of `trainer.train()` (building the engine,
+    sharding the model, saving checkpoints) and over the training steps alone (counted from when training begins,
+    the model already wrapped or sharded, and set aside while a checkpoint is saved, since saving gathers whole
+    state dicts on some engines): the memory sharding exists to save. `start()` goes just before `train()`."""
+
+    def __init__(self) -> None:
+        self.overall: dict[str, int] = {}
+        self.steps: dict[str, int] = {}
+
+    def _keep(self, into: dict[str, int]) -> None:
+        for key, value in _peaks().items():
+            into[key] = max(into.get(key, 0), value)
+
+    def start(self) -> None:
+        _reset_peaks()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._keep(self.overall)
+        _reset_peaks()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._keep(self.steps)  # before this step's checkpoint, if any (the Trainer saves after on_step_end)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._keep(self.overall)
+        _reset_peaks()
+
+    def report(self, trainer: Trainer) -> dict[str, int]:
+        """Bytes: the peaks, and the parameters and optimizer state the process holds (`held_training_state`)."""
+        self._keep(self.overall)
+        self.overall = {key: max(value, self.steps.get(key, 0)) for key, value in self.overall.items()}
+        report = {f"peak_{key}_bytes": value for key, value in self.overall.items()}
+        report |= {f"step_peak_{key}_bytes": value for key, value in self.steps.items()}
+        return report | {"parameters_and_optimizer_bytes": held_training_state(trainer.model, trainer.optimizer)}
 
 
 # Dense bf16 tensor-core peaks (FLOP/s) of the GPUs the MFU figure knows.
@@ -670,6 +786,7 @@ def run_training(
         "packing": data_args.packing,
         "unigram baseline perplexity": round(unigram, 2),
     }
+    memory = MemoryCallback()
     trainer = ZooTrainer(
         model=model,
         args=training_args,
@@ -679,6 +796,7 @@ def run_training(
         callbacks=[
             ThroughputCallback(tokens_per_step, flops_per_token, peak_flops()),
             CheckpointCallback(details),
+            memory,
             *callbacks,
         ],
     )
@@ -686,14 +804,16 @@ def run_training(
     trainer.callback_handler.callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))
     first_step = int(Path(resume).name.split("-")[-1]) if resume else 0
     start = time.perf_counter()
+    memory.start()
     if training_args.max_steps != 0:  # uptraining with a fraction of 0: the converted model as it is
         trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - start
+    memory_per_process = gather_object([{"rank": training_args.process_index, **memory.report(trainer)}])
     evaluation = trainer.evaluate()
     perplexity = math.exp(min(evaluation["eval_loss"], 700.0))
     summary = {
         "variant": get_variant(config.model_type).name,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(parameter_count(p) for p in model.parameters()),
         "world_size": training_args.world_size,
         "distributed": trainer.accelerator.distributed_type.value,
         "steps": trainer.state.global_step,
@@ -709,6 +829,7 @@ def run_training(
         ],
         "validation_perplexity": round(perplexity, 3),
         "unigram_perplexity": round(unigram, 3),
+        "memory_per_process": sorted(memory_per_process, key=lambda entry: entry["rank"]),
     }
     details["validation perplexity"] = summary["validation_perplexity"]
     summary["final_model"] = str(output_dir / "final")

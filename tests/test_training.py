@@ -5,15 +5,16 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from hf_attn_zoo.models import VARIANTS
-from hf_attn_zoo.training import COMPLETE_MARKER, build_model, load_recipe, run_training
+from hf_attn_zoo.training import COMPLETE_MARKER, build_model, held_training_state, load_recipe, run_training
 
-from conftest import free_port
+from conftest import free_port, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs" / "train").glob("*.yaml"))
@@ -177,6 +178,28 @@ def test_two_processes_on_cpu(tmp_path):
     assert summary["world_size"] == 2 and summary["distributed"] == "MULTI_CPU"
     assert summary["train_tokens"] == 16 * 8 * 2 * 64  # steps x batch x ranks x block
     assert summary["losses"][-1] < summary["losses"][0] - 0.5
+    # DDP: every rank holds the whole model and Adam state (parameters and two moments, fp32), and reports it
+    parameter_bytes = 4 * summary["parameters"]
+    assert [entry["rank"] for entry in summary["memory_per_process"]] == [0, 1]
+    for entry in summary["memory_per_process"]:
+        assert entry["parameters_and_optimizer_bytes"] == pytest.approx(3 * parameter_bytes, rel=1e-3)
+        assert entry["peak_resident_bytes"] > 3 * parameter_bytes
+
+
+def test_held_training_state_counts_every_tensor_once():
+    """Parameters and AdamW's state, found through a wrapper's `optimizer` (as accelerate's and DeepSpeed's wrap
+    theirs), the tied embedding and head counted once, gradients left out."""
+    model = tiny_model("gqa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 32, (2, 8)), labels=torch.randint(0, 32, (2, 8))).loss.backward()
+    optimizer.step()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    parameters = list(model.parameters())
+    parameter_bytes = sum(4 * p.numel() for p in parameters)
+    steps = sum(optimizer.state[p]["step"].untyped_storage().nbytes() for p in parameters)  # one scalar each
+    wrapped = SimpleNamespace(optimizer=SimpleNamespace(optimizer=optimizer))
+    assert held_training_state(model, wrapped) == 3 * parameter_bytes + steps  # gradients still held, not counted
+    assert held_training_state(model, None) == parameter_bytes
 
 
 def listing(folder: Path) -> dict[str, int]:
