@@ -202,6 +202,7 @@ BENCHMARK_SCRIPTS = {
     "uptrain": ("uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses"),
     "uptrain-smollm2": ("uptraining", "SmolLM2-135M imported, pooled to MQA and uptrained: the recovery curve"),
     "packing": ("packing", "padding-free training against EOS packing: speed and held-out perplexity"),
+    "sharded": ("sharded", "FSDP2 and ZeRO-2/3 against DDP and one process: losses, tokens/s, memory per process"),
 }
 
 # the script's own parser answers --help, with the benchmark's options

@@ -6,6 +6,7 @@ DeepSpeed's shared-memory communication op (about a minute on 2 cores; cached un
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
 STEPS = 12
 PER_DEVICE = 8  # the recipe's; 2 processes x 8 = the single process's batch of 16
 COMMON = ["--training.max_steps", str(STEPS), "--training.logging_steps", "1", "--training.report_to", "none"]
+RESUME = ["--training.resume_from_checkpoint", "latest"]
 
 
 def environment() -> dict[str, str]:
@@ -36,9 +38,10 @@ def environment() -> dict[str, str]:
 
 
 def train(output_dir: Path, *arguments: str, launcher: list[str]) -> dict:
+    # from the repository root, as the README launches: zero3_lean.yaml names its DeepSpeed JSON relative to it
     command = [*launcher, str(ROOT / "training" / "train.py"), str(TINY), "--training.output_dir", str(output_dir)]
     result = subprocess.run(
-        [*command, *arguments], capture_output=True, text=True, cwd=output_dir.parent, env=environment(), timeout=900
+        [*command, *arguments], capture_output=True, text=True, cwd=ROOT, env=environment(), timeout=900
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads((output_dir / "training_summary.json").read_text())
@@ -68,18 +71,36 @@ def reference(tmp_path_factory) -> tuple[Path, dict]:
     return initial, single
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_zero_on_two_processes_trains_like_one(stage, reference, tmp_path):
-    initial, single = reference
+def zero_run(stage: str, run: Path, initial: Path, *arguments: str) -> dict:
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     launcher += [str(ROOT / "configs" / "accelerate" / f"{stage}.yaml"), "--main_process_port", str(free_port())]
-    run = tmp_path / stage
-    summary = train(run, "--model.init_from", str(initial), *COMMON, launcher=launcher)
+    summary = train(run, "--model.init_from", str(initial), *COMMON, *arguments, launcher=launcher)
     assert summary["world_size"] == 2 and summary["distributed"] == "DEEPSPEED"
+    return summary
+
+
+def assert_same_losses(summary: dict, single: dict, stage: str) -> None:
     assert summary["train_tokens"] == single["train_tokens"] == STEPS * 2 * PER_DEVICE * 64
     torch.testing.assert_close(
         torch.tensor(summary["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-4, msg=stage
     )
+
+
+# Of one process's parameter and optimizer bytes (parameters, a third; Adam's two moments, two thirds) each of 2
+# ranks holds: ZeRO-2 the whole parameters, half the moments and an fp32 master copy of its half of the parameters
+# (1/3 + 1/3 + 1/6); ZeRO-3 half of everything (with fp32 parameters its master copy is the shard itself).
+STATE_SHARE = {"zero2": 1 / 3 + 1 / 6 + 1 / 3, "zero3": 1 / 2, "zero3_lean": 1 / 2}
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3", "zero3_lean"])
+def test_zero_on_two_processes_trains_like_one(stage, reference, tmp_path):
+    initial, single = reference
+    summary = zero_run(stage, tmp_path / stage, initial)
+    assert_same_losses(summary, single, stage)
+    assert summary["parameters"] == single["parameters"]  # counted whole under ZeRO-3 too (ds_numel)
+    whole = single["memory_per_process"][0]["parameters_and_optimizer_bytes"]
+    for entry in summary["memory_per_process"]:
+        assert entry["parameters_and_optimizer_bytes"] == pytest.approx(STATE_SHARE[stage] * whole, rel=1e-3)
     # the final model is gathered into one safetensors file that loads without DeepSpeed: no ZeRO shards beside it
     final = Path(summary["final_model"])
     assert (final / "model.safetensors").is_file() and not list(final.glob("global_step*"))
@@ -88,3 +109,18 @@ def test_zero_on_two_processes_trains_like_one(stage, reference, tmp_path):
     expected = AutoModelForCausalLM.from_pretrained(single["final_model"]).state_dict()
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_zero_run_resumed_continues_the_same_trajectory(stage, reference, tmp_path):
+    initial, single = reference
+    run = tmp_path / stage
+    zero_run(stage, run, initial, "--training.save_steps", str(STEPS // 2))
+    assert list((run / f"checkpoint-{STEPS // 2}").glob("global_step*"))  # DeepSpeed's own sharded checkpoint
+    # as if the run had stopped after the middle checkpoint: the later one, the summary and the final model gone
+    for leftover in [run / f"checkpoint-{STEPS}", run / "final"]:
+        shutil.rmtree(leftover)
+    (run / "training_summary.json").unlink()
+    resumed = zero_run(stage, run, initial, "--training.save_steps", str(STEPS // 2), *RESUME)
+    assert_same_losses(resumed, single, stage)

@@ -2,12 +2,15 @@
 processes, trains the same loss trajectory as one process on the same global batch, and saves a plain checkpoint."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 from conftest import free_port
@@ -15,6 +18,7 @@ from conftest import free_port
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
 FSDP_CPU = ROOT / "configs" / "accelerate" / "fsdp_cpu.yaml"
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 PER_DEVICE = 8  # the tiny recipe's batch; one process takes both ranks' batches at once
 TOLERANCE = 1e-4  # fp32: the sharded run sums the same gradients in another order
 
@@ -34,16 +38,11 @@ def common_overrides(output_dir: Path) -> list[str]:
     return ["--training.output_dir", str(output_dir), "--training.report_to", "none"]
 
 
-def sharded(output_dir: Path, port: int, *overrides) -> dict:
-    """2 processes sharded by FSDP2 over gloo, launched as a user would."""
+def sharded(output_dir: Path, port: int, *overrides, launcher: list[str] | None = None) -> dict:
+    """2 processes sharded by FSDP2 over gloo, launched as a user would (accelerate's FSDP config by default)."""
+    launcher = launcher or [*ACCELERATE, "--config_file", str(FSDP_CPU), "--main_process_port", str(port)]
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(FSDP_CPU),
-        "--main_process_port",
-        str(port),
+        *launcher,
         str(ROOT / "training" / "train.py"),
         str(TINY),
         *common_overrides(output_dir),
@@ -81,12 +80,47 @@ def assert_same_logits(sharded_final: str, single_final: str) -> None:
         torch.testing.assert_close(model(ids).logits, baseline(ids).logits, rtol=0, atol=TOLERANCE)
 
 
+# loads a checkpoint by its own code in a process where the package cannot be imported, and saves its logits
+REMOTE_LOGITS = """
+import sys
+sys.modules["hf_attn_zoo"] = None
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+with torch.no_grad():
+    torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
+"""
+
+
+def assert_loads_without_the_package(folder: str, tmp_path: Path) -> None:
+    if Version(transformers.__version__) < Version("5.3"):
+        return  # older transformers cannot load remote code importing siblings (see test_checkpoints.py)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    command = [sys.executable, "-c", REMOTE_LOGITS, folder, str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=1e-5)
+
+
 def test_fsdp2_on_two_cpu_processes_matches_one_process(tmp_path):
     common = ["--training.max_steps", 6, "--training.save_steps", 6, "--training.logging_steps", 1]
     one = single_process(tmp_path / "single", *common)
     two = sharded(tmp_path / "sharded", free_port(), *common)
     assert_same_run(two, one, 6)
     assert_same_logits(two["final_model"], one["final_model"])
+    # what sharding is for: each rank holds half the parameters and Adam state one process holds (all but Adam's
+    # step counters, one scalar per parameter on every rank)
+    whole = one["memory_per_process"][0]["parameters_and_optimizer_bytes"]
+    for entry in two["memory_per_process"]:
+        assert entry["parameters_and_optimizer_bytes"] == pytest.approx(whole / 2, rel=1e-3)
+    assert_loads_without_the_package(two["final_model"], tmp_path)
 
 
 @pytest.mark.slow
@@ -113,3 +147,35 @@ def test_every_family_shards(tmp_path, variant):
     two = sharded(tmp_path / "sharded", free_port(), *common)
     assert_same_run(two, one, 8)
     assert_same_logits(two["final_model"], one["final_model"])
+
+
+@pytest.mark.slow
+def test_the_trainers_own_fsdp_option_under_torchrun_shards_too(tmp_path):
+    """No accelerate config: torchrun and the Trainer's `fsdp: true` (FSDP2, wrapped per decoder layer by the
+    model's `_no_split_modules`) shard the same."""
+    common = ["--training.max_steps", 6, "--training.save_steps", 6, "--training.logging_steps", 1]
+    one = single_process(tmp_path / "single", *common)
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    two = sharded(tmp_path / "sharded", port, *common, "--training.fsdp", "true", launcher=torchrun)
+    assert_same_run(two, one, 6)
+    assert_same_logits(two["final_model"], one["final_model"])
+
+
+@pytest.mark.slow
+def test_bench_sharded_compares_engines_with_one_process(tmp_path):
+    """`hf-attn-zoo bench sharded` at a tiny size: rows for one process, DDP and FSDP2, the losses equal, FSDP2's
+    parameter and optimizer bytes half of DDP's; ZeRO rows say what they need where DeepSpeed is missing."""
+    from hf_attn_zoo.cli import main
+
+    arguments = ["bench", "sharded", "--engines", "ddp", "fsdp2", "--steps", "3", "--hidden_size", "32"]
+    arguments += ["--num_hidden_layers", "1", "--num_attention_heads", "2", "--num_key_value_heads", "1"]
+    arguments += ["--intermediate_size", "64", "--vocab_size", "300", "--block_size", "32"]
+    assert main([*arguments, "--runs_dir", str(tmp_path / "runs"), "--output_dir", str(tmp_path)]) == 0
+    rows = {row["engine"]: row for row in json.loads((tmp_path / "sharded.json").read_text())["rows"]}
+    assert list(rows) == ["1 process", "ddp", "fsdp2"]
+    assert all(row["losses_equal"] and row["max_loss_difference"] <= 1e-4 for row in rows.values())
+    assert rows["ddp"]["vs_ddp"]["parameters_and_optimizer"] == 1.0
+    assert rows["fsdp2"]["vs_ddp"]["parameters_and_optimizer"] == pytest.approx(0.5, rel=1e-2)
+    assert rows["fsdp2"]["checkpoint"].startswith("FSDP") and "final: model.safetensors" in rows["fsdp2"]["checkpoint"]
+    assert "| fsdp2 |" in (tmp_path / "sharded.md").read_text()
