@@ -147,7 +147,15 @@ class ConvertOptions:
     out: Path = positional("output folder (model, tokenizer, model card)")
     to: Literal["gqa", "mqa"] = field(metadata={"help": "mqa: one key/value head"})
     num_key_value_heads: int | None = field(default=None, metadata={"help": "G for --to gqa"})
-    method: Literal["mean", "first", "random"] = field(default="mean", metadata={"help": "how heads are pooled"})
+    method: Literal["mean", "first", "random", "aligned", "grouped"] = field(
+        default="mean",
+        metadata={"help": "how heads are pooled; aligned and grouped are fitted on --calibration text"},
+    )
+    calibration: list[str] | None = field(
+        default=None,
+        metadata={"help": "text files, directories or globs for aligned / grouped (not the text you will test on)"},
+    )
+    calibration_tokens: int = field(default=4096, metadata={"help": "read at most this many calibration tokens"})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC"})
 
 

@@ -13,6 +13,7 @@ import importlib
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -140,28 +141,51 @@ def attention_command(options: AttentionOptions) -> None:
 def convert_command(options: ConvertOptions) -> Path:
     from .checkpoints import save_checkpoint
     from .convert import mha_to_gqa
+    from .convert.calibrated import CALIBRATION_METHODS
+    from .data import expand_files
     from .loading import check_model_folder, load_model_and_tokenizer
 
     if options.to == "gqa" and options.num_key_value_heads is None:
         raise UserError("--to gqa needs --num_key_value_heads G (a divisor of the source's attention heads)")
     groups = 1 if options.to == "mqa" else options.num_key_value_heads
+    calibration, files = None, []
+    if options.method in CALIBRATION_METHODS:
+        if not options.calibration:
+            raise UserError(
+                f"--method {options.method} is fitted on calibration text: pass --calibration FILE (text other than "
+                f"what you will test on)."
+            )
+        files = expand_files(options.calibration, "--calibration")
+        calibration = [path.read_text(encoding="utf-8", errors="replace") for path in files]
+    elif options.calibration:
+        raise UserError(f"--calibration is read by --method {' / '.join(CALIBRATION_METHODS)}, not {options.method}.")
     if options.gguf_file:  # a plain checkpoint of the GGUF file, which the Trainer and save_pretrained can use
         check_model_folder(options.src, gguf_file=options.gguf_file)
         model, tokenizer = load_model_and_tokenizer(str(Path(options.src).expanduser() / options.gguf_file))
     else:
         model, tokenizer = load_model_and_tokenizer(options.src)
     before = model.config.num_key_value_heads
+    start = time.perf_counter()
     try:
-        converted = mha_to_gqa(model, groups, options.method)
-    except ValueError as error:  # the source or G cannot be pooled: named by mha_to_gqa
+        converted = mha_to_gqa(
+            model, groups, options.method, calibration, tokenizer, max_calibration_tokens=options.calibration_tokens
+        )
+    except ValueError as error:  # the source, G or the calibration cannot be used: named by mha_to_gqa
         raise UserError(f"{options.src}: {error}") from error
+    seconds = time.perf_counter() - start
     gguf = f" / {options.gguf_file}" if options.gguf_file else ""
     details = {
         "converted from": f"{options.src}{gguf} ({model.config.model_type})",
         "key/value heads": f"{before} -> {groups}, {options.method}-pooled (Ainslie et al. 2023)",
     }
+    if files:
+        names = ", ".join(path.name for path in files)
+        details["calibration"] = f"{names} (at most {options.calibration_tokens} tokens)"
     out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details)
-    print(f"{converted.config.model_type} with {groups} key/value heads ({options.method}) written to {out}")
+    print(
+        f"{converted.config.model_type} with {groups} key/value heads ({options.method}, {seconds:.1f} s) "
+        f"written to {out}"
+    )
     return out
 
 

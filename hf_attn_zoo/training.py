@@ -45,6 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .checkpoints import publish_folder, write_atomically
 from .convert import from_llama, mha_to_gqa
+from .convert.calibrated import CALIBRATION_METHODS
 from .convert.pooling import METHODS as POOLING_METHODS
 from .data import DataArguments, prepare_data, tokenizer_fields
 from .errors import MissingPathError, UserError, one_line
@@ -83,7 +84,14 @@ class ModelArguments:
         metadata={"help": "pool init_from's key/value heads into this many first (MHA -> GQA/MQA uptraining)"},
     )
     convert_method: str = field(
-        default="mean", metadata={"help": "how heads are pooled: mean, first or random (hf_attn_zoo.convert)"}
+        default="mean",
+        metadata={
+            "help": "how heads are pooled: mean, first, random, or aligned / grouped, fitted on the first "
+            "convert_calibration_tokens training tokens (hf_attn_zoo.convert)"
+        },
+    )
+    convert_calibration_tokens: int = field(
+        default=4096, metadata={"help": "training tokens the calibrated convert_methods (aligned, grouped) read"}
     )
     uptrain_fraction: float | None = field(
         default=None,
@@ -327,15 +335,24 @@ def parent_train_tokens(init_from: str) -> int:
     return json.loads(summary_path.read_text())["train_tokens"]
 
 
-def build_model(model_args: ModelArguments, tokenizer, block_size: int):
-    """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer."""
+def build_model(model_args: ModelArguments, tokenizer, block_size: int, train_blocks=None):
+    """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer.
+    A calibrated `convert_method` fits on the first `convert_calibration_tokens` of the run's `train_blocks`."""
     if model_args.init_from is not None:
         kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(resolve_source(model_args.init_from), **kwargs)
         if not isinstance(model, ZooForCausalLM):
             model = from_llama(model)
         if model_args.convert_num_key_value_heads is not None:
-            model = mha_to_gqa(model, model_args.convert_num_key_value_heads, model_args.convert_method)
+            model = mha_to_gqa(
+                model,
+                model_args.convert_num_key_value_heads,
+                model_args.convert_method,
+                calibration=first_blocks(train_blocks, model_args.convert_calibration_tokens, block_size)
+                if model_args.convert_method in CALIBRATION_METHODS
+                else None,
+                max_calibration_tokens=model_args.convert_calibration_tokens,
+            )
         if len(tokenizer) > model.config.vocab_size:
             raise UserError(
                 f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
@@ -362,6 +379,13 @@ def parameter_count(parameter: torch.Tensor) -> int:
     """A parameter's elements, whole: under ZeRO-3 a parameter is an empty placeholder and `ds_numel` its size
     (FSDP2's DTensors report their whole size themselves)."""
     return getattr(parameter, "ds_numel", parameter.numel())
+
+
+def first_blocks(blocks, tokens: int, block_size: int) -> list[list[int]] | None:
+    """The token ids of the first blocks holding `tokens` tokens (None without blocks)."""
+    if blocks is None:
+        return None
+    return blocks.select(range(min(math.ceil(tokens / block_size), len(blocks))))["input_ids"]
 
 
 def non_embedding_parameters(model) -> int:
@@ -773,7 +797,7 @@ def run_training(
         if training_args.process_index == 0:
             tokenizer.save_pretrained(shared_tokenizer)
     check_validation_fills_a_batch(len(validation_blocks), data_args, training_args)
-    model = build_model(model_args, tokenizer, data_args.block_size)
+    model = build_model(model_args, tokenizer, data_args.block_size, train_blocks)
     config: ZooConfig = model.config
     head_dim = getattr(config, "head_dim", config.hidden_size)
     flops_per_token = (

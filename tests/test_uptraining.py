@@ -152,16 +152,19 @@ def test_uptraining_recipe_runs_a_fraction_of_the_parent(tmp_path):
     parent = run_training(*load_recipe(tiny, parent_args))
     assert parent["train_tokens"] == 8 * 8 * 64
     final = Path(parent["final_model"])
-    for fraction, steps in (("0.5", 4), ("0", 0)):
+    converted = {}
+    for fraction, steps, method in (("0.5", 4, "mean"), ("0", 0, "mean"), ("0", 0, "aligned")):
         args = [
             "--model.init_from",
             str(final),
             "--model.convert_num_key_value_heads",
             "1",
+            "--model.convert_method",
+            method,
             "--model.uptrain_fraction",
             fraction,
             "--training.output_dir",
-            str(tmp_path / f"mqa-{fraction}"),
+            str(tmp_path / f"mqa-{fraction}-{method}"),
             "--training.report_to",
             "none",
         ]
@@ -169,6 +172,12 @@ def test_uptraining_recipe_runs_a_fraction_of_the_parent(tmp_path):
         assert summary["steps"] == steps and summary["variant"] == "mqa"
         reloaded = AutoModelForCausalLM.from_pretrained(summary["final_model"])
         assert reloaded.config.model_type == "zoo_mqa"
+        converted[fraction, method] = reloaded.state_dict()
+    # aligned pooling fitted on the run's training blocks: other keys and values than the mean's, same shapes
+    mean, aligned = converted["0", "mean"], converted["0", "aligned"]
+    assert mean.keys() == aligned.keys()
+    key = "model.layers.0.self_attn.k_proj.weight"
+    assert mean[key].shape == aligned[key].shape and not torch.allclose(mean[key], aligned[key])
     assert json.loads((final / "training_summary.json").read_text())["train_tokens"] == parent["train_tokens"]
 
 

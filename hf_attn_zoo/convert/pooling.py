@@ -7,15 +7,23 @@ G new key/value heads replace the G0 heads of a model: contiguous groups, as tra
 - "first": those of the group's first head;
 - "random": initialised afresh, as a model trained from scratch would start.
 Queries, outputs and everything else are copied. RoPE rotates every key head alike, so averaging the projections
-equals averaging the rotated keys.
+equals averaging the rotated keys. The calibrated methods ("aligned", "grouped": `calibrated.py`) first rewrite the
+heads from what they compute on calibration text, then mean-pool.
 """
 
 import torch
 
 from ..models import ZooForCausalLM, get_variant
+from .calibrated import (
+    CALIBRATION_METHODS,
+    calibration_batches,
+    check_enough,
+    key_value_activations,
+    rewrite_for_pooling,
+)
 from .llama import default_variant, from_llama, in_mha_family
 
-METHODS = ("mean", "first", "random")
+METHODS = ("mean", "first", "random", *CALIBRATION_METHODS)
 
 
 def pool_heads(weight: torch.Tensor, heads: int, groups: int, method: str) -> torch.Tensor:
@@ -25,12 +33,23 @@ def pool_heads(weight: torch.Tensor, heads: int, groups: int, method: str) -> to
     return pooled.reshape(-1, *weight.shape[1:]).contiguous()
 
 
-def mha_to_gqa(model, num_key_value_heads: int, method: str = "mean") -> ZooForCausalLM:
+def mha_to_gqa(
+    model,
+    num_key_value_heads: int,
+    method: str = "mean",
+    calibration=None,
+    tokenizer=None,
+    max_calibration_tokens: int | None = None,
+) -> ZooForCausalLM:
     """A new zoo model with `num_key_value_heads` key/value heads pooled from `model`'s (a zoo MHA-family model,
     or a transformers Llama / Mistral / Qwen2 model, converted first). G = 1 gives `zoo_mqa`, G = H `zoo_mha`,
-    anything else `zoo_gqa`."""
+    anything else `zoo_gqa`. The calibrated methods ("aligned", "grouped") read `calibration`: texts (with the
+    model's `tokenizer`), a `(B, T)` tensor of token ids or a list of id sequences, at least 4 x head_dim tokens
+    (the first `max_calibration_tokens` of them, when given)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}: use one of {METHODS}.")
+    if method not in CALIBRATION_METHODS and calibration is not None:
+        raise ValueError(f"calibration is read by the calibrated methods {CALIBRATION_METHODS}, not {method!r}.")
     if not isinstance(model, ZooForCausalLM):
         model = from_llama(model)
     config = model.config
@@ -57,11 +76,30 @@ def mha_to_gqa(model, num_key_value_heads: int, method: str = "mean") -> ZooForC
     new_config._attn_implementation = config._attn_implementation
     pooled = target.causal_lm_class(new_config)
     state = model.state_dict()
+    if method in CALIBRATION_METHODS and groups != old_groups:
+        batches = calibration_batches(
+            calibration, tokenizer, model.config.max_position_embeddings, max_calibration_tokens
+        )
+        rewrite_heads(model, state, groups, method, batches)
     for name, tensor in state.items():
         if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")) and groups != old_groups:
             if method == "random":
                 state[name] = pooled.state_dict()[name]  # fresh initialisation of the new model
             else:
-                state[name] = pool_heads(tensor, old_groups, groups, method)
+                state[name] = pool_heads(tensor, old_groups, groups, "first" if method == "first" else "mean")
     pooled.load_state_dict(state, strict=True)
     return pooled.to(model.dtype).train(model.training)
+
+
+def rewrite_heads(model: ZooForCausalLM, state: dict, groups: int, method: str, batches: list) -> None:
+    """Rewrite `state`'s attention projections in place as `method` chooses from `model`'s keys and values on the
+    calibration `batches` (see `calibrated.py`): mean pooling of contiguous groups then pools the chosen, aligned
+    heads."""
+    tokens = sum(batch.numel() for batch in batches)
+    check_enough(tokens, model.config.head_dim)
+    rewrites = rewrite_for_pooling(key_value_activations(model, batches), model.config, groups, method)
+    for index, rewrite in enumerate(rewrites):
+        prefix = f"model.layers.{index}.self_attn."
+        attention = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+        for name, tensor in rewrite.apply(attention).items():
+            state[prefix + name] = tensor
