@@ -147,13 +147,13 @@ class ConvertOptions:
     out: Path = positional("output folder (model, tokenizer, model card)")
     to: Literal["gqa", "mqa"] = field(metadata={"help": "mqa: one key/value head"})
     num_key_value_heads: int | None = field(default=None, metadata={"help": "G for --to gqa"})
-    method: Literal["mean", "first", "random", "aligned", "grouped"] = field(
+    method: Literal["mean", "first", "random", "aligned", "grouped", "grouped_aligned"] = field(
         default="mean",
-        metadata={"help": "how heads are pooled; aligned and grouped are fitted on --calibration text"},
+        metadata={"help": "how heads are pooled; aligned, grouped and grouped_aligned are fitted on --calibration"},
     )
     calibration: list[str] | None = field(
         default=None,
-        metadata={"help": "text files, directories or globs for aligned / grouped (not the text you will test on)"},
+        metadata={"help": "text files, directories or globs the calibrated methods read (not your test text)"},
     )
     calibration_tokens: int = field(default=4096, metadata={"help": "read at most this many calibration tokens"})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC"})
@@ -210,6 +210,8 @@ BENCHMARK_SCRIPTS = {
     "uptrain": ("uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses"),
     "uptrain-smollm2": ("uptraining", "SmolLM2-135M imported, pooled to MQA and uptrained: the recovery curve"),
     "packing": ("packing", "padding-free training against EOS packing: speed and held-out perplexity"),
+    "convert-demo": ("conversion", "the demo's MHA model to GQA/MQA by every pooling method, before uptraining"),
+    "convert-smollm2": ("conversion", "SmolLM2-135M to MQA by every pooling method: perplexity, conversion time"),
     "sharded": ("sharded", "FSDP2 and ZeRO-2/3 against DDP and one process: losses, tokens/s, memory per process"),
 }
 

@@ -86,12 +86,12 @@ class ModelArguments:
     convert_method: str = field(
         default="mean",
         metadata={
-            "help": "how heads are pooled: mean, first, random, or aligned / grouped, fitted on the first "
-            "convert_calibration_tokens training tokens (hf_attn_zoo.convert)"
+            "help": "how heads are pooled: mean, first, random, or aligned / grouped / grouped_aligned, fitted on "
+            "the first convert_calibration_tokens training tokens (hf_attn_zoo.convert)"
         },
     )
     convert_calibration_tokens: int = field(
-        default=4096, metadata={"help": "training tokens the calibrated convert_methods (aligned, grouped) read"}
+        default=4096, metadata={"help": "training tokens the calibrated convert_methods read"}
     )
     uptrain_fraction: float | None = field(
         default=None,

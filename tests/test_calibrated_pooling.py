@@ -120,7 +120,20 @@ def test_grouped_pooling_finds_the_heads_that_belong_together():
     assert not torch.allclose(logits(mha_to_gqa(model, 2, "mean")), expected, atol=1e-3)
 
 
-@pytest.mark.parametrize("method", ["aligned", "grouped"])
+def test_grouped_aligned_pairs_heads_that_differ_by_a_rotation():
+    """Heads 0 ~ 2 and 1 ~ 3 up to rotations: raw distances cannot see it, the distance left after aligning can;
+    grouping by it and aligning the pairs converts exactly."""
+    model = tiny_model("mha", "rope", attention_bias=True)
+    copy_heads_within(model, [[0, 2], [1, 3]])
+    expected = logits(model)
+    generator = torch.Generator().manual_seed(4)
+    rewrite_model(model, lambda _: random_rewrite(generator, rope=True, permute=False))
+    converted = mha_to_gqa(model, 2, "grouped_aligned", calibration=CALIBRATION)
+    torch.testing.assert_close(logits(converted), expected, atol=ATOL, rtol=0)
+    assert not torch.allclose(logits(mha_to_gqa(model, 2, "aligned", calibration=CALIBRATION)), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["aligned", "grouped", "grouped_aligned"])
 def test_as_many_groups_as_heads_is_the_identity(method):
     model = tiny_model("mha", attention_bias=True)
     assert torch.equal(logits(mha_to_gqa(model, HEADS, method, calibration=CALIBRATION)), logits(model))
@@ -145,8 +158,9 @@ def test_bad_calibration_is_named():
         mha_to_gqa(model, 2, "aligned", calibration=[])
     with pytest.raises(ValueError, match="calibration is read by the calibrated methods"):
         mha_to_gqa(model, 2, "mean", calibration=CALIBRATION)
-    with pytest.raises(ValueError, match="ALiBi"):
-        mha_to_gqa(tiny_model("mha", "alibi"), 2, "grouped", calibration=CALIBRATION)
+    for method in ("grouped", "grouped_aligned"):
+        with pytest.raises(ValueError, match="ALiBi"):
+            mha_to_gqa(tiny_model("mha", "alibi"), 2, method, calibration=CALIBRATION)
 
 
 def test_convert_command_fits_on_calibration_files(tmp_path, capsys):
@@ -168,5 +182,5 @@ def test_convert_command_fits_on_calibration_files(tmp_path, capsys):
     assert main([*args[:2], str(tmp_path / "grouped"), *args[3:], "--method", "grouped"]) == 2
     assert "--calibration FILE" in capsys.readouterr().err
     assert main([*args[:2], str(tmp_path / "x"), *args[3:], "--calibration", str(tmp_path / "calibration.txt")]) == 2
-    assert "--calibration is read by --method aligned / grouped, not mean" in capsys.readouterr().err
+    assert "--calibration is read by --method aligned / grouped / grouped_aligned, not mean" in capsys.readouterr().err
     assert not (tmp_path / "grouped").exists() and not (tmp_path / "x").exists()

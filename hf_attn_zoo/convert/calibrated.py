@@ -1,8 +1,8 @@
 """Calibrated MHA -> GQA/MQA conversions: what the key/value heads compute on calibration text decides how they are
 pooled, where mean pooling (Ainslie et al. 2023) averages projection rows blind.
 
-Two methods, each changing only which rows and columns of `q_proj`, `k_proj`, `v_proj` and `o_proj` hold what, so
-the converted model has exactly the parameters of a mean-pooled one; both end in mean pooling of contiguous groups:
+Three methods, each changing only which rows and columns of `q_proj`, `k_proj`, `v_proj` and `o_proj` hold what, so
+the converted model has exactly the parameters of a mean-pooled one; all end in mean pooling of contiguous groups:
 
 - "aligned", after Jin et al. (EMNLP Findings 2025), who align heads by orthogonal Procrustes before merging them:
   within each group, every key/value head is rotated onto the group's consensus, then the group is averaged. Values
@@ -20,7 +20,10 @@ the converted model has exactly the parameters of a mean-pooled one; both end in
   groups keep equal size (AsymGQA allows unequal ones; transformers' `repeat_kv` layout needs equal ones). ALiBi
   gives each query head position its own slope, so query heads cannot move there: refused.
 
-Both are exact where they must be: G equal to the model's key/value heads is the identity; heads that are rotations
+- "grouped_aligned": both, the grouping by the distance left after aligning each pair of heads, so that heads
+  that differ by a rotation count as close; then aligned pooling of those groups.
+
+All are exact where they must be: G equal to the model's key/value heads is the identity; heads that are rotations
 of one another within a group ("aligned"), or identical heads anywhere in the layer ("grouped"), convert without
 changing the model's function.
 """
@@ -31,7 +34,7 @@ import torch
 
 ALIGNMENT_ITERATIONS = 3
 CALIBRATION_TOKENS_PER_CHANNEL = 4  # at least 4 x head_dim tokens: an orthogonal fit in d dimensions needs d at least
-CALIBRATION_METHODS = ("aligned", "grouped")
+CALIBRATION_METHODS = ("aligned", "grouped", "grouped_aligned")
 
 
 def calibration_batches(
@@ -161,15 +164,26 @@ def greedy_groups(cost: torch.Tensor, size: int) -> list[list[int]]:
     return sorted(groups)
 
 
-def head_distances(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Mean squared distance between heads' keys plus that between their values, each relative to the heads' mean
-    squared norm: `(N, G0, d)` twice -> `(G0, G0)`."""
+def head_distances(keys: torch.Tensor, values: torch.Tensor, key_fit=None) -> torch.Tensor:
+    """Squared distance between heads' keys plus that between their values, each relative to the heads' mean
+    squared norm: `(N, G0, d)` twice -> `(G0, G0)`. With `key_fit` (the keys' alignment; values take any rotation),
+    the distance left after aligning head j onto head i."""
 
-    def relative(x: torch.Tensor) -> torch.Tensor:
-        flat = x.transpose(0, 1).flatten(1)  # (G0, N d)
-        return torch.cdist(flat, flat).square() / flat.square().sum(-1).mean().clamp_min(1e-12)
+    def relative(x: torch.Tensor, fit) -> torch.Tensor:
+        heads = x.shape[1]
+        if fit is None:
+            flat = x.transpose(0, 1).flatten(1)  # (G0, N d)
+            distance = torch.cdist(flat, flat).square()
+        else:
+            distance = torch.zeros(heads, heads, dtype=x.dtype)
+            for i in range(heads):
+                for j in range(heads):
+                    if i != j:
+                        distance[i, j] = (x[:, j] @ fit(x[:, j], x[:, i]) - x[:, i]).square().sum()
+            distance = (distance + distance.T) / 2  # the fits are not exactly symmetric
+        return distance / x.square().sum((0, 2)).mean().clamp_min(1e-12)
 
-    return relative(keys) + relative(values)
+    return relative(keys, key_fit) + relative(values, None if key_fit is None else procrustes)
 
 
 class HeadRewrite:
@@ -228,20 +242,21 @@ def rewrite_for_pooling(
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     size = kv_heads // groups
     rotary = getattr(config, "position_embedding_type", "rope") == "rope"
-    if method == "grouped" and getattr(config, "position_embedding_type", None) == "alibi":
+    if method.startswith("grouped") and getattr(config, "position_embedding_type", None) == "alibi":
         raise ValueError(
-            "method='grouped' reorders query heads, but ALiBi gives each head position its own slope, so the model "
+            f"method={method!r} reorders query heads, but ALiBi gives each head position its own slope, so the model "
             "would change: use method='aligned' or 'mean' for an ALiBi model."
         )
+    key_fit = plane_rotations if rotary else procrustes
     rewrites = []
     for keys, values in layer_activations:
         rewrite = HeadRewrite(heads, kv_heads, keys.shape[-1], values.shape[-1])
-        if method == "grouped":
-            rewrite.order = [head for group in greedy_groups(head_distances(keys, values), size) for head in group]
-        if method == "aligned":
+        if method in ("grouped", "grouped_aligned"):
+            distances = head_distances(keys, values, key_fit if method == "grouped_aligned" else None)
+            rewrite.order = [head for group in greedy_groups(distances, size) for head in group]
+        if method in ("aligned", "grouped_aligned"):
             for start in range(0, kv_heads, size):
                 members = rewrite.order[start : start + size]
-                key_fit = plane_rotations if rotary else procrustes
                 key_maps = consensus_rotations(keys[:, members], key_fit)
                 value_maps = consensus_rotations(values[:, members], procrustes)
                 for member, key_map, value_map in zip(members, key_maps, value_maps, strict=True):
