@@ -184,3 +184,12 @@ def test_convert_command_fits_on_calibration_files(tmp_path, capsys):
     assert main([*args[:2], str(tmp_path / "x"), *args[3:], "--calibration", str(tmp_path / "calibration.txt")]) == 2
     assert "--calibration is read by --method aligned / grouped / grouped_aligned, not mean" in capsys.readouterr().err
     assert not (tmp_path / "grouped").exists() and not (tmp_path / "x").exists()
+
+
+def test_calibration_stops_at_its_token_budget():
+    from hf_attn_zoo.convert.calibrated import calibration_batches
+
+    batches = calibration_batches([list(range(50)), list(range(50)), list(range(50))], None, 16, max_tokens=70)
+    assert [batch.shape for batch in batches] == [(1, 16)] * 3 + [(1, 2)] + [(1, 16), (1, 4)]
+    assert sum(batch.numel() for batch in batches) == 70
+    assert calibration_batches(["never read"], None, 16, max_tokens=0) == []  # no tokenizer needed: nothing read

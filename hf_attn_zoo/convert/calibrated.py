@@ -19,13 +19,12 @@ the converted model has exactly the parameters of a mean-pooled one; all end in 
   nearest to it on average until full), and the query heads are permuted with their key/value heads. Deviation:
   groups keep equal size (AsymGQA allows unequal ones; transformers' `repeat_kv` layout needs equal ones). ALiBi
   gives each query head position its own slope, so query heads cannot move there: refused.
-
 - "grouped_aligned": both, the grouping by the distance left after aligning each pair of heads, so that heads
   that differ by a rotation count as close; then aligned pooling of those groups.
 
 All are exact where they must be: G equal to the model's key/value heads is the identity; heads that are rotations
-of one another within a group ("aligned"), or identical heads anywhere in the layer ("grouped"), convert without
-changing the model's function.
+of one another within a group ("aligned"), identical heads anywhere in the layer ("grouped") or rotations of one
+another anywhere in it ("grouped_aligned") convert without changing the model's function.
 """
 
 from collections.abc import Sequence
@@ -48,22 +47,19 @@ def calibration_batches(
         calibration = [calibration]
     if isinstance(calibration, torch.Tensor):
         calibration = list(calibration.reshape(-1, calibration.shape[-1]))
-    sequences = []
+    sequences, budget = [], float("inf") if max_tokens is None else max_tokens
     for item in calibration:
+        if budget <= 0:
+            break  # texts past the budget are not even tokenized
         if isinstance(item, str):
             if tokenizer is None:
                 raise ValueError("calibration holds texts: pass the model's tokenizer (tokenizer=...) to read them.")
             item = tokenizer(item, add_special_tokens=False)["input_ids"]
         sequence = torch.as_tensor(item, dtype=torch.long).reshape(-1)
+        if sequence.numel() > budget:
+            sequence = sequence[: int(budget)]
+        budget -= sequence.numel()
         sequences += [chunk[None] for chunk in sequence.split(max_length) if chunk.numel() > 0]
-    if max_tokens is not None:
-        kept, budget = [], max_tokens
-        for sequence in sequences:
-            if budget <= 0:
-                break
-            kept.append(sequence[:, :budget])
-            budget -= kept[-1].shape[1]
-        sequences = kept
     return sequences
 
 
