@@ -193,3 +193,13 @@ def test_calibration_stops_at_its_token_budget():
     assert [batch.shape for batch in batches] == [(1, 16)] * 3 + [(1, 2)] + [(1, 16), (1, 4)]
     assert sum(batch.numel() for batch in batches) == 70
     assert calibration_batches(["never read"], None, 16, max_tokens=0) == []  # no tokenizer needed: nothing read
+
+
+def test_the_command_line_offers_every_method():
+    """The command line's options live apart from the package (fast --help): its method list must not drift."""
+    import typing
+
+    from hf_attn_zoo.convert import METHODS
+    from hf_attn_zoo_cli import ConvertOptions
+
+    assert typing.get_args(ConvertOptions.__dataclass_fields__["method"].type) == METHODS

@@ -7,8 +7,8 @@ G new key/value heads replace the G0 heads of a model: contiguous groups, as tra
 - "first": those of the group's first head;
 - "random": initialised afresh, as a model trained from scratch would start.
 Queries, outputs and everything else are copied. RoPE rotates every key head alike, so averaging the projections
-equals averaging the rotated keys. The calibrated methods ("aligned", "grouped": `calibrated.py`) first rewrite the
-heads from what they compute on calibration text, then mean-pool.
+equals averaging the rotated keys. The calibrated methods ("aligned", "grouped", "grouped_aligned": `calibrated.py`)
+first rewrite the heads from what they compute on calibration text, then mean-pool.
 """
 
 import torch
@@ -43,7 +43,7 @@ def mha_to_gqa(
 ) -> ZooForCausalLM:
     """A new zoo model with `num_key_value_heads` key/value heads pooled from `model`'s (a zoo MHA-family model,
     or a transformers Llama / Mistral / Qwen2 model, converted first). G = 1 gives `zoo_mqa`, G = H `zoo_mha`,
-    anything else `zoo_gqa`. The calibrated methods ("aligned", "grouped") read `calibration`: texts (with the
+    anything else `zoo_gqa`. The calibrated methods (`CALIBRATION_METHODS`) read `calibration`: texts (with the
     model's `tokenizer`), a `(B, T)` tensor of token ids or a list of id sequences, at least 4 x head_dim tokens
     (the first `max_calibration_tokens` of them, when given)."""
     if method not in METHODS:
