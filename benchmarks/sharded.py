@@ -89,8 +89,9 @@ def model_config(setup: ShardedSetup) -> list[str]:
 
 
 def validation_text(runs: Path) -> Path:
-    """A short held-out text (the start of `argparse`'s source, not among the recipe's first training documents):
-    every run ends with an evaluation, which on the whole validation split would take longer than the training."""
+    """A short validation text, the start of `argparse`'s source (the training text may hold it too: the benchmark
+    compares training losses, speed and memory, not validation scores): every run ends with an evaluation, which on
+    the recipe's whole validation split would take longer than the training."""
     path = runs / "validation.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(Path(argparse.__file__).read_text()[:VALIDATION_CHARACTERS])
