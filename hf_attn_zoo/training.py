@@ -488,8 +488,7 @@ class MemoryCallback(TrainerCallback):
 
     def report(self, trainer: Trainer) -> dict[str, int]:
         """Bytes: the peaks, and the parameters and optimizer state the process holds (`held_training_state`)."""
-        self._keep(self.overall)
-        self.overall = {key: max(value, self.steps.get(key, 0)) for key, value in self.overall.items()}
+        self._keep(self.overall)  # every step's window ends before a reset that folds it into the overall peak
         report = {f"peak_{key}_bytes": value for key, value in self.overall.items()}
         report |= {f"step_peak_{key}_bytes": value for key, value in self.steps.items()}
         return report | {"parameters_and_optimizer_bytes": held_training_state(trainer.model, trainer.optimizer)}

@@ -27,12 +27,13 @@ def random_orthogonal(dim: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def random_plane_rotation(dim: int, generator: torch.Generator) -> torch.Tensor:
-    """A map that commutes with RoPE: one 2-D rotation per frequency plane, by a random angle."""
+    """A map that commutes with RoPE: one 2-D rotation per frequency plane (channels i, i + d/2), by a random angle,
+    built as its action on the identity's rows read as complex numbers (row i times e^{i angle})."""
     half = dim // 2
     angles = torch.rand(half, generator=generator, dtype=torch.float64) * 6.28
-    source = torch.randn(16, dim, generator=generator, dtype=torch.float64)
-    z = torch.complex(source[:, :half], source[:, half:]) * torch.polar(torch.ones(half, dtype=torch.float64), angles)
-    return plane_rotations(source, torch.cat((z.real, z.imag), -1))  # the fit recovers exactly that rotation
+    identity = torch.eye(dim, dtype=torch.float64)
+    z = torch.complex(identity[:, :half], identity[:, half:]) * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat((z.real, z.imag), -1)
 
 
 def rewrite_model(model, make_rewrite) -> None:

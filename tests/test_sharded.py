@@ -96,8 +96,8 @@ with torch.no_grad():
 
 
 def assert_loads_without_the_package(folder: str, tmp_path: Path) -> None:
-    if Version(transformers.__version__) < Version("5.3"):
-        return  # older transformers cannot load remote code importing siblings (see test_checkpoints.py)
+    if Version(transformers.__version__) < Version("5.3"):  # the rest of the calling test has passed by now
+        pytest.skip("transformers < 5.3 cannot load remote code importing siblings (see test_checkpoints.py)")
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.save(ids, tmp_path / "ids.pt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
@@ -175,7 +175,8 @@ def test_bench_sharded_compares_engines_with_one_process(tmp_path):
     rows = {row["engine"]: row for row in json.loads((tmp_path / "sharded.json").read_text())["rows"]}
     assert list(rows) == ["1 process", "ddp", "fsdp2"]
     assert all(row["losses_equal"] and row["max_loss_difference"] <= 1e-4 for row in rows.values())
-    assert rows["ddp"]["vs_ddp"]["parameters_and_optimizer"] == 1.0
+    whole = rows["1 process"]["parameters_and_optimizer_mb"]
+    assert rows["ddp"]["parameters_and_optimizer_mb"] == pytest.approx(whole)  # DDP: every rank holds it all
     assert rows["fsdp2"]["vs_ddp"]["parameters_and_optimizer"] == pytest.approx(0.5, rel=1e-2)
     assert rows["fsdp2"]["checkpoint"].startswith("FSDP") and "final: model.safetensors" in rows["fsdp2"]["checkpoint"]
     assert "| fsdp2 |" in (tmp_path / "sharded.md").read_text()
