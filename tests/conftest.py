@@ -3,10 +3,14 @@
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from hf_attn_zoo.models import VARIANTS
 
@@ -220,3 +224,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("localhost", 0))
         return sock.getsockname()[1]
+
+
+# loads a checkpoint by its own code in a process where the package cannot be imported, and saves its logits
+REMOTE_LOGITS = """
+import sys
+sys.modules["hf_attn_zoo"] = None
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+with torch.no_grad():
+    torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
+"""
+
+
+def assert_loads_without_the_package(folder: str | Path, tmp_path: Path) -> None:
+    """The checkpoint at `folder` loads by `trust_remote_code` where `hf_attn_zoo` cannot be imported, and gives
+    the logits the package's own classes give (1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    if Version(transformers.__version__) < Version("5.3"):  # the rest of the calling test has passed by now
+        pytest.skip("transformers < 5.3 cannot load remote code importing siblings (see test_checkpoints.py)")
+    vocab_size = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    command = [sys.executable, "-c", REMOTE_LOGITS, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=1e-5)

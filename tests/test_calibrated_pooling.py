@@ -9,7 +9,7 @@ from hf_attn_zoo.convert import mha_to_gqa
 from hf_attn_zoo.convert.calibrated import HeadRewrite, plane_rotations, procrustes
 from hf_attn_zoo.data import byte_level_tokenizer
 
-from conftest import ATOL, left_padded_batch, tiny_model
+from conftest import ATOL, assert_loads_without_the_package, left_padded_batch, tiny_model
 
 HEADS, HEAD_DIM = 4, 8  # the tiny MHA model's
 CALIBRATION = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))  # 128 tokens >= 4 x 8
@@ -185,6 +185,13 @@ def test_convert_command_fits_on_calibration_files(tmp_path, capsys):
     assert main([*args[:2], str(tmp_path / "x"), *args[3:], "--calibration", str(tmp_path / "calibration.txt")]) == 2
     assert "--calibration is read by --method aligned / grouped / grouped_aligned, not mean" in capsys.readouterr().err
     assert not (tmp_path / "grouped").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_calibrated_conversion_loads_where_the_package_is_absent(tmp_path):
+    """Permuted query heads and folded rotations are plain weights: the saved GQA model needs nothing new to load."""
+    converted = mha_to_gqa(tiny_model("mha"), 2, "grouped_aligned", calibration=CALIBRATION)
+    converted.save_pretrained(tmp_path / "gqa")
+    assert_loads_without_the_package(tmp_path / "gqa", tmp_path)
 
 
 def test_calibration_stops_at_its_token_budget():

@@ -2,18 +2,15 @@
 processes, trains the same loss trajectory as one process on the same global batch, and saves a plain checkpoint."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
-from conftest import free_port
+from conftest import assert_loads_without_the_package, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
@@ -78,35 +75,6 @@ def assert_same_logits(sharded_final: str, single_final: str) -> None:
     ids = torch.randint(0, model.config.vocab_size - 2, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, baseline(ids).logits, rtol=0, atol=TOLERANCE)
-
-
-# loads a checkpoint by its own code in a process where the package cannot be imported, and saves its logits
-REMOTE_LOGITS = """
-import sys
-sys.modules["hf_attn_zoo"] = None
-import torch
-import transformers
-from packaging.version import Version
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-with torch.no_grad():
-    torch.save(model(torch.load(sys.argv[2])).logits, sys.argv[3])
-"""
-
-
-def assert_loads_without_the_package(folder: str, tmp_path: Path) -> None:
-    if Version(transformers.__version__) < Version("5.3"):  # the rest of the calling test has passed by now
-        pytest.skip("transformers < 5.3 cannot load remote code importing siblings (see test_checkpoints.py)")
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
-    torch.save(ids, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    command = [sys.executable, "-c", REMOTE_LOGITS, folder, str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    with torch.no_grad():
-        expected = AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits
-    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=0, atol=1e-5)
 
 
 def test_fsdp2_on_two_cpu_processes_matches_one_process(tmp_path):
