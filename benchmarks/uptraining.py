@@ -89,10 +89,10 @@ class UptrainingSetup:
     )
 
 
-def same_as(groups: int, method: str) -> str | None:
-    """The method that `method` equals at `groups` key/value heads, where it is not a conversion of its own: with
-    one group there is no choice of which heads share it, so grouping changes nothing but the query heads' order."""
-    return {"grouped": "mean", "grouped_aligned": "aligned"}.get(method) if groups == 1 else None
+def grouping_changes_nothing(groups: int, method: str) -> bool:
+    """With one group there is no choice of which heads share it: grouped pooling is mean pooling there and
+    grouped_aligned is aligned, with the query heads in another order."""
+    return groups == 1 and method in ("grouped", "grouped_aligned")
 
 
 def split_by_year(data_dir: str) -> dict[str, list[str]]:
@@ -182,7 +182,7 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
     for alpha in setup.alphas:
         for groups in setup.groups:
             for method in setup.methods:
-                if same_as(groups, method) is not None:
+                if grouping_changes_nothing(groups, method):
                     continue
                 conversion = ["--model.init_from", parent_final, "--model.convert_num_key_value_heads", str(groups)]
                 conversion += ["--model.convert_method", method, "--model.uptrain_fraction", str(alpha)]
@@ -361,7 +361,7 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
     for method in setup.methods:
         result_file = out / "runs" / f"{method}.json"
         if not result_file.is_file():
-            result = uptrain_smollm2(setup, method, gqa_model(), tokenizer, calibration, held_out, log)
+            result = uptrain_smollm2(setup, method, gqa_model(), tokenizer, calibration, splits, held_out, log)
             write_atomically(result_file, json.dumps(result, indent=2))
         runs[method] = json.loads(result_file.read_text())
     if not unpooled_file.is_file():
@@ -374,7 +374,9 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
     return result
 
 
-def uptrain_smollm2(setup: SmolLM2Setup, method: str, zoo, tokenizer, calibration, held_out: Path, log) -> dict:
+def uptrain_smollm2(
+    setup: SmolLM2Setup, method: str, zoo, tokenizer, calibration, splits: dict, held_out: Path, log
+) -> dict:
     """Pool `zoo` into MQA by `method`, save it, and uptrain the saved model with the recipe: the run starts from
     exactly the model scored at step 0."""
     out = Path(setup.output_dir) / method
@@ -385,7 +387,7 @@ def uptrain_smollm2(setup: SmolLM2Setup, method: str, zoo, tokenizer, calibratio
     mqa.save_pretrained(out / "pooled")
     tokenizer.save_pretrained(out / "pooled")
     overrides = ["--model.init_from", str(out / "pooled"), "--model.convert_method", "mean"]  # 1 -> 1: as it is
-    overrides += ["--data.train_files", *split_by_year(setup.data_dir)["train"]]
+    overrides += ["--data.train_files", *splits["train"]]
     overrides += ["--data.validation_files", str(held_out), "--training.output_dir", str(out / "run")]
     overrides += ["--training.eval_strategy", "steps", "--training.eval_steps", str(setup.eval_every)]
     overrides += ["--training.eval_on_start", "true"]
