@@ -23,13 +23,12 @@ from .models import VARIANTS, get_variant
 def lora_target_modules(config_or_model: PreTrainedConfig | PreTrainedModel | str) -> list[str]:
     """The LoRA `target_modules` of a zoo config, model (a `PeftModel` too) or variant name / model type."""
     if isinstance(config_or_model, str):
-        name = config_or_model
-    else:
-        config = getattr(config_or_model, "config", config_or_model)
-        name = getattr(config, "model_type", None)
-        if not name:
-            raise TypeError(f"expected a zoo config, model or variant name, got {type(config_or_model).__name__}")
-    return get_variant(name).lora_targets  # a new list each time: LoraConfig may keep and mutate what it is given
+        return get_variant(config_or_model).lora_targets  # a new list each time: LoraConfig may keep and mutate it
+    config = getattr(config_or_model, "config", config_or_model)
+    name = getattr(config, "model_type", None)
+    if not name:
+        raise TypeError(f"expected a zoo config, model or variant name, got {type(config_or_model).__name__}")
+    return get_variant(name).lora_targets_for(config)
 
 
 def lora_table() -> str:

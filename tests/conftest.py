@@ -112,6 +112,19 @@ CONFORMANCE["differential"] = {
     "reference": references.differential_attention,
 }
 
+CONFORMANCE["mla"] = {
+    # 4 heads reading one 12-wide latent, RoPE on 4 of each query's 12 channels, queries through a bottleneck of 16
+    "config": dict(num_attention_heads=4, kv_lora_rank=12, q_lora_rank=16),
+    "invalid": [
+        (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(kv_lora_rank=0), "kv_lora_rank"),
+        (dict(qk_rope_head_dim=3), "qk_rope_head_dim"),
+        (dict(qk_nope_head_dim=-1), "qk_nope_head_dim"),
+        (dict(rope_frequencies=[[0]]), "rope_frequencies"),
+    ],
+    "reference": references.latent_attention,
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()

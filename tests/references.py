@@ -98,6 +98,62 @@ def topk_attention(attn, hidden, positions, attention_mask, config):
     )
 
 
+def latent_attention(attn, hidden, positions, attention_mask, config):
+    """DeepSeek-AI 2024 (DeepSeek-V2, section 2.1): c = RMSNorm(W_DKV x) (W_DKV x with `latent_norm=False`), per
+    head k_h = [W_UK,h c; k_rope] and v_h = W_UV,h c, k_rope = RoPE(W_KR x) shared by every head, q_h = [q_nope,h;
+    RoPE(q_rope,h)]; softmax over q_h . k_h / sqrt(nope + rope). With `rope_frequencies`, layer l's RoPE part rotates
+    by the chosen frequencies i of rope_theta^(-2i/head_dim)."""
+    batch, length, _ = hidden.shape
+    heads, nope, rope, v_dim, r = (
+        config.num_attention_heads,
+        config.qk_nope_head_dim,
+        config.qk_rope_head_dim,
+        config.v_head_dim,
+        config.kv_lora_rank,
+    )
+    if config.q_lora_rank is None:
+        q = attn.q_proj(hidden)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden)))
+    q = q.view(batch, length, heads, nope + rope)
+    compressed = attn.kv_a_proj_with_mqa(hidden)
+    c = compressed[..., :r] if attn.kv_a_layernorm is None else attn.kv_a_layernorm(compressed[..., :r])  # (B, T, r)
+    k_rope = compressed[..., r:].view(batch, length, 1, rope)
+    q_nope, q_rope = q[..., :nope], q[..., nope:]
+    if config.position_embedding_type == "rope":
+        theta = config.rope_parameters["rope_theta"]
+        if config.rope_frequencies is None:
+            q_rope, k_rope = rotate(q_rope, positions, theta), rotate(k_rope, positions, theta)
+        else:  # rotate at the full ladder of head_dim, keeping the chosen frequencies' channels
+            chosen = config.rope_frequencies[attn.layer_idx]
+            half = config.head_dim // 2
+            channels = [*chosen, *(i + half for i in chosen)]
+
+            def rotate_chosen(x):
+                wide = torch.zeros(*x.shape[:-1], config.head_dim)
+                wide[..., channels] = x
+                return rotate(wide, positions, theta)[..., channels]
+
+            q_rope, k_rope = rotate_chosen(q_rope), rotate_chosen(k_rope)
+    up = attn.kv_b_proj.weight.view(heads, nope + v_dim, r)
+    slopes = paper_alibi_slopes(heads)
+    out = torch.zeros(batch, length, heads, v_dim)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    for b in range(batch):
+        allowed = causal & attention_mask[b].bool()[None, :]
+        for h in range(heads):
+            keys = torch.cat((c[b] @ up[h, :nope].T, k_rope[b, :, 0]), dim=-1)  # (S, nope + rope)
+            values = c[b] @ up[h, nope:].T  # (S, v)
+            for i in range(length):
+                if not allowed[i].any():  # a padding query: its output is never compared
+                    continue
+                scores = keys @ torch.cat((q_nope[b, i, h], q_rope[b, i, h])) / math.sqrt(nope + rope)
+                if config.position_embedding_type == "alibi":
+                    scores = scores - slopes[h] * (positions[b, i] - positions[b])
+                out[b, i, h] = scores.masked_fill(~allowed[i], float("-inf")).softmax(-1) @ values
+    return attn.o_proj(out.reshape(batch, length, heads * v_dim))
+
+
 def additive_attention(attn, hidden, positions, attention_mask, config):
     """Bahdanau et al. 2015: score(q, k) = v_h . tanh(q + k), q and k already projected (W_q x, W_k x)."""
     vector = attn.score_vector

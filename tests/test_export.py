@@ -68,7 +68,14 @@ def executorch_module(model, max_cache_len: int = 32):
     return TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len)
 
 
-@pytest.mark.parametrize("name", [name for name in NAMES if not decodes_from_state(name)])
+def preallocation_refused(name: str) -> bool:
+    variant = VARIANTS[name]
+    return variant.attention_class.preallocated_cache_refusal(variant.config()) is not None
+
+
+@pytest.mark.parametrize(
+    "name", [name for name in NAMES if not decodes_from_state(name) and not preallocation_refused(name)]
+)
 def test_executorch_static_cache_decodes_as_eager(name, works_with):
     model = tiny_model(name)
     program = executorch_module(model).export(input_ids=torch.tensor([[5]]), cache_position=torch.tensor([0]))
@@ -97,6 +104,23 @@ def test_executorch_static_cache_refuses_state_variants(name, works_with):
         "executorch",
         name,
         refused="decodes from a running state, which a static key/value cache cannot hold; export without a cache",
+    )
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if preallocation_refused(name)])
+def test_executorch_static_cache_refuses_other_widths(name, works_with):
+    """A cache the recipe allocates from the config's head shapes before the first forward cannot hold this variant's
+    (MLA: a latent and a RoPE key of their own widths): the export reports why and what to do instead."""
+    model = tiny_model(name)
+    reason = model.model.attention_class.preallocated_cache_refusal(model.config)
+    with pytest.raises(Exception, match="before its first write") as raised:
+        executorch_module(model).export(input_ids=torch.tensor([[5]]), cache_position=torch.tensor([0]))
+    assert reason in str(raised.value) and "use_cache=False" in str(raised.value)
+    works_with(
+        "executorch",
+        name,
+        refused="caches a latent and a RoPE key of their own widths, which a static cache allocated at one head_dim "
+        "cannot hold; export without a cache",
     )
 
 

@@ -244,10 +244,11 @@ def test_press_on_topk_keeps_what_it_keeps_on_llama(press_name, works_with):
 
 
 @pytest.mark.parametrize("press_name", PRESSES)
-@pytest.mark.parametrize("name", ["additive", "differential"])
+@pytest.mark.parametrize("name", ["additive", "differential", "mla"])
 def test_press_on_a_variant_it_cannot_be_faithful_to_refuses_saying_why(name, press_name, works_with):
-    """Additive scores and differential's two maps are not the attention the presses rebuild from `q_proj` and the
-    rotary embedding: entering the press fails at once, before any token runs, with the variant's reason."""
+    """Additive scores, differential's two maps and MLA's latent are not the attention the presses rebuild from
+    `q_proj` and the rotary embedding: entering the press fails at once, before any token runs, with the variant's
+    reason."""
     model = tiny_model(name)
     reason = model.model.attention_class.kv_compression_refusal(model.config)
     assert reason and "\n" not in reason

@@ -108,7 +108,7 @@ def test_training_lowers_the_loss_and_changes_only_lora_weights(adapted):
     assert adapted["loss_after"] < adapted["loss_before"] - 0.5, (adapted["loss_before"], adapted["loss_after"])
     trainable = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
     assert trainable and all("lora_" in name for name in trainable), trainable
-    assert wrapped_names(model) == set(VARIANTS[adapted["name"]].lora_targets)
+    assert wrapped_names(model) == set(lora_target_modules(model))
     after = lora_free_state(model.get_base_model())
     assert after.keys() == adapted["before"].keys()
     changed = [key for key, tensor in after.items() if not torch.equal(tensor, adapted["before"][key])]
@@ -151,7 +151,7 @@ def test_all_linear_wraps_the_documented_modules_and_merges(name):
     config = LoraConfig(target_modules="all-linear", r=4, init_lora_weights=False, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
     # peft skips the output head (tied to the embedding); what remains is exactly the documented list
-    assert wrapped_names(peft_model) == set(VARIANTS[name].lora_targets)
+    assert wrapped_names(peft_model) == set(lora_target_modules(model))
     assert not hasattr(peft_model.get_base_model().lm_head, "lora_A")
 
     loss = peft_model.train()(ids, labels=ids).loss
@@ -176,11 +176,15 @@ def test_lora_target_modules_cover_every_variant():
         assert VARIANTS[name].lora_targets, f"{name} declares no LoRA target modules"
         model = tiny_model(name)
         linear = {key.rsplit(".", 1)[-1] for key, module in model.named_modules() if isinstance(module, nn.Linear)}
-        missing = set(VARIANTS[name].lora_targets) - linear
+        targets = VARIANTS[name].lora_targets_for(model.config)
+        missing = set(targets) - linear
         assert not missing, f"{name}: {sorted(missing)} are not nn.Linear modules of the variant"
-        # the helper finds the list from a config, a model, a registry name and a model type alike
-        for key in (model.config, model, name, model.config.model_type):
-            assert lora_target_modules(key) == VARIANTS[name].lora_targets
+        # the helper finds the list from a config or a model, and the default config's from a name or a model type
+        for key in (model.config, model):
+            assert lora_target_modules(key) == targets
+        default = VARIANTS[name].build("tiny", vocab_size=97)
+        for key in (name, model.config.model_type):
+            assert lora_target_modules(key) == VARIANTS[name].lora_targets == lora_target_modules(default)
     table = lora_table().splitlines()
     assert table[0] == "| variant | target_modules |" and len(table) == 2 + len(VARIANTS)
     with pytest.raises(ValueError, match="unknown variant"):

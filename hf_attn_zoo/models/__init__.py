@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import transformers
 from transformers import AutoConfig, AutoModel
 
-from . import additive, aft, differential, linformer, mha, sliding_window, topk
+from . import additive, aft, differential, linformer, mha, mla, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooMLP, ZooModel, ZooPreTrainedModel
 
@@ -91,8 +91,13 @@ class ZooVariant:
 
     @property
     def lora_targets(self) -> list[str]:
-        """PEFT `target_modules`: the attention's projections and the MLP's (what `"all-linear"` picks too)."""
-        return [*self.attention_class.lora_targets, *ZooMLP.lora_targets]
+        """PEFT `target_modules` at the variant's default config: the attention's projections and the MLP's (what
+        `"all-linear"` picks too)."""
+        return self.lora_targets_for(self.config())
+
+    def lora_targets_for(self, config: ZooConfig) -> list[str]:
+        """PEFT `target_modules` of a model of `config` (a config can change which projections exist)."""
+        return [*self.attention_class.lora_modules(config), *ZooMLP.lora_targets]
 
     def preset(self, size: str) -> dict:
         return self.config_class.preset(size)
@@ -141,6 +146,7 @@ register_variant(aft.ZooAFTSimpleForCausalLM)
 register_variant(topk.ZooTopKForCausalLM)
 register_variant(additive.ZooAdditiveForCausalLM)
 register_variant(differential.ZooDifferentialForCausalLM)
+register_variant(mla.ZooMLAForCausalLM)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

@@ -222,6 +222,19 @@ class ZooAttention(ZooModule):
             return f"presses rebuild RoPE queries, and this model has position_embedding_type={position!r}"
         return None
 
+    @classmethod
+    def lora_modules(cls, config: ZooConfig) -> tuple[str, ...]:
+        """The attention's LoRA targets in a model of `config`: `lora_targets`, unless the config changes which
+        projections exist."""
+        return cls.lora_targets
+
+    @classmethod
+    def preallocated_cache_refusal(cls, config: ZooConfig) -> str | None:
+        """Why a static cache allocated before the first forward from the config's head shapes (ExecuTorch's export
+        recipe: keys and values of num_key_value_heads x head_dim each) cannot hold this variant's keys and values,
+        or None. (State variants refuse every key/value cache on their own, `ZooModel._check_state_cache`.)"""
+        return None
+
     def __setattr__(self, name: str, value) -> None:
         # kvpress's presses start by attaching the model's rotary embedding to every attention layer (`rotary_emb`),
         # to rebuild the layer's queries as Llama's `q_proj` rotated by RoPE: a variant whose attention is not that
