@@ -145,15 +145,30 @@ class AttentionOptions:
 class ConvertOptions:
     src: str = positional("checkpoint folder or Hub name; with --gguf_file, the folder holding the file")
     out: Path = positional("output folder (model, tokenizer, model card)")
-    to: Literal["gqa", "mqa"] = field(metadata={"help": "mqa: one key/value head"})
+    to: Literal["gqa", "mqa", "mla"] = field(
+        metadata={"help": "mqa: one key/value head; mla: a latent and a shared RoPE key per token (DeepSeek-V2)"}
+    )
     num_key_value_heads: int | None = field(default=None, metadata={"help": "G for --to gqa"})
-    method: Literal["mean", "first", "random", "aligned", "grouped", "grouped_aligned"] = field(
-        default="mean",
-        metadata={"help": "how heads are pooled; aligned, grouped and grouped_aligned are fitted on --calibration"},
+    method: Literal["mean", "first", "random", "aligned", "grouped", "grouped_aligned", "rorope", "norm"] | None = (
+        field(
+            default=None,
+            metadata={
+                "help": "gqa/mqa: how heads are pooled (default mean; aligned, grouped and grouped_aligned are fitted "
+                "on --calibration); mla: how the shared RoPE key is chosen (default rorope, TransMLA's principal "
+                "axes; norm: the heads' mean)"
+            },
+        )
+    )
+    kv_lora_rank: int | None = field(default=None, metadata={"help": "--to mla: the latent's width"})
+    qk_rope_head_dim: int | None = field(
+        default=None, metadata={"help": "--to mla: the shared RoPE key's width (default head_dim: every frequency)"}
     )
     calibration: list[str] | None = field(
         default=None,
-        metadata={"help": "text files, directories or globs the calibrated methods read (not your test text)"},
+        metadata={
+            "help": "text files, directories or globs the calibrated methods read (not your test text); "
+            "optional for --to mla, where it weighs the fits"
+        },
     )
     calibration_tokens: int = field(default=4096, metadata={"help": "read at most this many calibration tokens"})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC"})

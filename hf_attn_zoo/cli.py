@@ -140,25 +140,35 @@ def attention_command(options: AttentionOptions) -> None:
 
 def convert_command(options: ConvertOptions) -> Path:
     from .checkpoints import save_checkpoint
-    from .convert import mha_to_gqa
+    from .convert import METHODS, mha_to_gqa, to_mla
     from .convert.calibrated import CALIBRATION_METHODS
+    from .convert.latent import MLA_METHODS
     from .data import expand_files
     from .loading import check_model_folder, load_model_and_tokenizer
 
+    latent = options.to == "mla"
+    method = options.method or ("rorope" if latent else "mean")
+    methods = MLA_METHODS if latent else METHODS
+    if method not in methods:
+        raise UserError(f"--method {method} does not apply to --to {options.to}; use one of {' '.join(methods)}.")
     if options.to == "gqa" and options.num_key_value_heads is None:
         raise UserError("--to gqa needs --num_key_value_heads G (a divisor of the source's attention heads)")
+    if latent and options.kv_lora_rank is None:
+        raise UserError("--to mla needs --kv_lora_rank R: the latent's width (the cache keeps R + qk_rope_head_dim)")
+    if not latent and (options.kv_lora_rank is not None or options.qk_rope_head_dim is not None):
+        raise UserError("--kv_lora_rank and --qk_rope_head_dim size an MLA conversion: use them with --to mla.")
     groups = 1 if options.to == "mqa" else options.num_key_value_heads
     calibration, files = None, []
-    if options.method in CALIBRATION_METHODS:
-        if not options.calibration:
-            raise UserError(
-                f"--method {options.method} is fitted on calibration text: pass --calibration FILE (text other than "
-                f"what you will test on)."
-            )
+    if method in CALIBRATION_METHODS and not options.calibration:
+        raise UserError(
+            f"--method {method} is fitted on calibration text: pass --calibration FILE (text other than what you "
+            f"will test on)."
+        )
+    if options.calibration and not latent and method not in CALIBRATION_METHODS:
+        raise UserError(f"--calibration is read by --method {' / '.join(CALIBRATION_METHODS)}, not {method}.")
+    if options.calibration:
         files = expand_files(options.calibration, "--calibration")
         calibration = [path.read_text(encoding="utf-8", errors="replace") for path in files]
-    elif options.calibration:
-        raise UserError(f"--calibration is read by --method {' / '.join(CALIBRATION_METHODS)}, not {options.method}.")
     if options.gguf_file:  # a plain checkpoint of the GGUF file, which the Trainer and save_pretrained can use
         check_model_folder(options.src, gguf_file=options.gguf_file)
         model, tokenizer = load_model_and_tokenizer(str(Path(options.src).expanduser() / options.gguf_file))
@@ -167,25 +177,39 @@ def convert_command(options: ConvertOptions) -> Path:
     before = model.config.num_key_value_heads
     start = time.perf_counter()
     try:
-        converted = mha_to_gqa(
-            model, groups, options.method, calibration, tokenizer, max_calibration_tokens=options.calibration_tokens
-        )
-    except ValueError as error:  # the source, G or the calibration cannot be used: named by mha_to_gqa
+        if latent:
+            converted = to_mla(
+                model,
+                options.kv_lora_rank,
+                options.qk_rope_head_dim,
+                method,
+                calibration,
+                tokenizer,
+                max_calibration_tokens=options.calibration_tokens,
+            )
+        else:
+            converted = mha_to_gqa(
+                model, groups, method, calibration, tokenizer, max_calibration_tokens=options.calibration_tokens
+            )
+    except ValueError as error:  # the source, the sizes or the calibration cannot be used: named by the conversion
         raise UserError(f"{options.src}: {error}") from error
     seconds = time.perf_counter() - start
     gguf = f" / {options.gguf_file}" if options.gguf_file else ""
-    details = {
-        "converted from": f"{options.src}{gguf} ({model.config.model_type})",
-        "key/value heads": f"{before} -> {groups}, {options.method}-pooled (Ainslie et al. 2023)",
-    }
+    details = {"converted from": f"{options.src}{gguf} ({model.config.model_type})"}
+    if latent:
+        new = converted.config
+        details["attention"] = (
+            f"{before} key/value heads -> a latent of {new.kv_lora_rank} and a shared RoPE key of "
+            f"{new.qk_rope_head_dim} ({method}; TransMLA / MHA2MLA)"
+        )
+    else:
+        details["key/value heads"] = f"{before} -> {groups}, {method}-pooled (Ainslie et al. 2023)"
     if files:
         names = ", ".join(path.name for path in files)
         details["calibration"] = f"{names} (at most {options.calibration_tokens} tokens)"
     out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details)
-    print(
-        f"{converted.config.model_type} with {groups} key/value heads ({options.method}, {seconds:.1f} s) "
-        f"written to {out}"
-    )
+    what = "a latent attention" if latent else f"{groups} key/value heads"
+    print(f"{converted.config.model_type} with {what} ({method}, {seconds:.1f} s) written to {out}")
     return out
 
 

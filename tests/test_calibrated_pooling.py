@@ -207,7 +207,8 @@ def test_the_command_line_offers_every_method():
     """The command line's options live apart from the package (fast --help): its method list must not drift."""
     import typing
 
-    from hf_attn_zoo.convert import METHODS
+    from hf_attn_zoo.convert import METHODS, MLA_METHODS
     from hf_attn_zoo_cli import ConvertOptions
 
-    assert typing.get_args(ConvertOptions.__dataclass_fields__["method"].type) == METHODS
+    choices, none = typing.get_args(ConvertOptions.__dataclass_fields__["method"].type)  # Literal[...] | None
+    assert typing.get_args(choices) == (*METHODS, *MLA_METHODS) and none is type(None)
