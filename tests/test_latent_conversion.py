@@ -1,6 +1,8 @@
 """MHA / GQA / MQA -> MLA (`hf_attn_zoo.convert.to_mla`): exact where it must be, the latent fit it claims, the cache
 it promises, checkpoints that load anywhere, and errors that name the field."""
 
+import json
+
 import pytest
 import torch
 from test_cli import one_line_error, saved_model
@@ -155,3 +157,75 @@ def test_bad_conversions_name_the_field(name, kwargs, named):
 def test_parents_the_conversion_cannot_read_are_refused(fields, named):
     with pytest.raises(ValueError, match=named):
         to_mla(tiny_model("gqa", **fields), kv_lora_rank=4)
+
+
+def test_the_smollm2_benchmark_runs_on_a_small_llama_and_resumes(tmp_path, monkeypatch):
+    """`bench mla-smollm2` end to end with a small Llama standing in for SmolLM2's GGUF: every shape converted by
+    every method and scored, the better one uptrained, the MQA runs beside, caches measured; a rerun trains nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_attn_zoo.cli import benchmark_script
+    from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
+
+    latent = benchmark_script("latent")  # benchmarks/latent.py
+    tokenizer = byte_level_tokenizer()
+    config = LlamaConfig(
+        **tokenizer_fields(tokenizer),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    tokenizer.save_pretrained(tmp_path / "llama")
+    monkeypatch.setattr(latent, "smollm2_gguf", lambda: tmp_path / "llama")
+    monkeypatch.setattr(latent, "plain_checkpoint", lambda path: path)
+    addresses = tmp_path / "sotu"
+    addresses.mkdir()
+    words = torch.randint(0, 26, (5, 1500, 5), generator=torch.Generator().manual_seed(0))  # varied text: many tokens
+    for index, year in enumerate((1990, 1995, 2000, 2005, 2015)):
+        text = " ".join("".join(chr(97 + int(c)) for c in word) for word in words[index])
+        (addresses / f"{year}_someone_party.txt").write_text(f"Address of {year}. {text}")
+    mqa_runs = tmp_path / "mqa"
+    mqa_runs.mkdir()
+    scores = {"converted": 500.0, "uptrained": 50.0}
+    (mqa_runs / "aligned.json").write_text(
+        json.dumps({"held_out_perplexity": scores, "reference_perplexity": scores, "conversion_seconds": 1.0})
+    )
+    setup = latent.LatentSetup(
+        data_dir=str(addresses),
+        output_dir=str(tmp_path / "out"),
+        shapes=["8+8", "4+4"],
+        steps=2,
+        eval_every=1,
+        held_out_chars=6000,
+        calibration_addresses=2,
+        calibration_tokens=256,
+        mqa_runs=str(mqa_runs),
+    )
+    result = latent.run_latent(setup, log=lambda line: None)
+    assert [(c["method"], c["kv_lora_rank"]) for c in result["conversions"]] == [
+        ("rorope", 8),
+        ("norm", 8),
+        ("rorope", 4),
+        ("norm", 4),
+    ]
+    # float32 bytes over 2 layers: GQA 2 x 2 heads x 8, MLA latent + RoPE key
+    assert result["gqa"]["cache_bytes_per_token"] == 2 * 4 * 32
+    assert [c["cache_bytes_per_token"] for c in result["conversions"]] == [2 * 4 * 16] * 2 + [2 * 4 * 8] * 2
+    assert result["mqa"]["aligned"]["cache_bytes_per_token"] == 2 * 4 * 16
+    for shape, uptrained in zip((8, 4), result["uptrained"]):
+        candidates = [c for c in result["conversions"] if c["kv_lora_rank"] == shape]
+        assert uptrained["method"] == min(candidates, key=lambda c: c["held_out_perplexity"])["method"]
+        assert [r["step"] for r in uptrained["recovery"]] == [0, 1, 2]
+        assert uptrained["held_out_perplexity"]["converted"] == pytest.approx(
+            min(c["held_out_perplexity"] for c in candidates)
+        )
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| MLA 4+4, " in table and "| MQA, aligned-pooled, uptrained |" in table
+    monkeypatch.setattr(latent, "uptrain_converted", lambda *a, **k: pytest.fail("a finished run ran again"))
+    monkeypatch.setattr(latent, "to_mla", lambda *a, **k: pytest.fail("a finished conversion ran again"))
+    assert latent.run_latent(setup, log=lambda line: None)["uptrained"] == result["uptrained"]
