@@ -78,6 +78,21 @@ def torchao_test_int8_weights_through_from_pretrained(checkpoint, mode):
     assert model.generate(**inputs, max_new_tokens=4, do_sample=False).shape[1] == inputs.input_ids.shape[1] + 4
 
 
+def torchao_test_int8_latent_attention_decodes_as_its_uncached_forward():
+    """MLA's absorbed decoding folds `kv_b_proj`'s weight into the query; an int8 weight is no plain matrix, so the
+    quantized model decodes through the expanded path, still equal to its own uncached forward."""
+    model, tokenizer = byte_model("mla", hidden_size=64, initializer_range=0.2)
+    quantized = quantize_int8(model.eval(), "weight_only")
+    attention = quantized.model.layers[0].self_attn
+    assert "Int8" in type(attention.kv_b_proj.weight).__name__ and not attention.up_projection_folds()
+    input_ids = tokenizer(["latent int8"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        generated = quantized.generate(input_ids, max_new_tokens=5, do_sample=False)
+        for step in range(input_ids.shape[1], generated.shape[1]):  # each token is the uncached argmax
+            expected = quantized(generated[:, :step], use_cache=False).logits[0, -1].argmax()
+            assert generated[0, step] == expected
+
+
 def torchao_test_int8_checkpoint_round_trip(checkpoint, tmp_path):
     folder, _, tokenizer = checkpoint
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=int8_config()).eval()

@@ -23,7 +23,8 @@ Two exact ways to attend, chosen per forward:
   latents directly; the H heads become the H queries of one shared key/value head. The up-projection of the cache,
   O(S·kv_lora_rank·H·(qk_nope_head_dim + v_head_dim)) per step, is never done. Both paths are the same function
   (tested against each other and an uncached forward); `absorb_for_decoding=False` keeps the expanded one, and a
-  wrapped `kv_b_proj` (a LoRA adapter, a quantised layer) also keeps it, since its weight is not one matrix to fold.
+  wrapped `kv_b_proj` (a LoRA adapter) or a quantised weight (torchao's int8) also keeps it, since neither is one
+  plain matrix to fold.
 
 RoPE frequencies: by default the RoPE part rotates by its own ladder, `rope_theta^(-2i/qk_rope_head_dim)` (DeepSeek).
 A model converted from a RoPE checkpoint (`hf_attn_zoo.convert.to_mla`) keeps, per layer, a chosen subset of the
@@ -302,7 +303,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
             # (B, 1, S, r) and (B, 1, S, rope): every latent and RoPE key so far, this step's included
             latent, key_rope = past_key_values.update(latent, key_rope, self.layer_idx, *cache_update_args(kwargs))
 
-        if length == 1 and self.absorb_for_decoding and type(self.kv_b_proj) is nn.Linear:
+        if length == 1 and self.absorb_for_decoding and self.up_projection_folds():
             output, weights = self.attend_absorbed(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)
         else:
             output, weights = self.attend_expanded(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)
@@ -323,6 +324,11 @@ class ZooMultiHeadLatentAttention(ZooAttention):
                     f"itself from the first write (generate(cache_implementation='static') does), or export the "
                     f"forward without a cache (use_cache=False)."
                 )
+
+    def up_projection_folds(self) -> bool:
+        """Whether `kv_b_proj` is one plain matrix the absorbed path can fold: not a wrapped layer (a LoRA adapter)
+        and not a quantised tensor (torchao's int8 weights have no `view`)."""
+        return type(self.kv_b_proj) is nn.Linear and type(self.kv_b_proj.weight) in (nn.Parameter, torch.Tensor)
 
     def attend_expanded(self, query_nope, query_rope, latent, key_rope, attention_mask, **kwargs):
         """Up-project the latents into per-head keys and values and attend through the backend: `(B, T, H, v)`."""
