@@ -225,6 +225,7 @@ BENCHMARK_SCRIPTS = {
     "uptrain": ("uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses"),
     "uptrain-smollm2": ("uptraining", "SmolLM2-135M imported, pooled to MQA and uptrained: the recovery curve"),
     "mla-smollm2": ("latent", "SmolLM2-135M converted to MLA at three cache sizes, uptrained, against MQA"),
+    "mla-decode": ("latent", "batch-1 decoding of MLA, absorbed and expanded, against GQA of equal parameters"),
     "packing": ("packing", "padding-free training against EOS packing: speed and held-out perplexity"),
     "convert-demo": ("conversion", "the demo's MHA model to GQA/MQA by every pooling method, before uptraining"),
     "convert-smollm2": ("conversion", "SmolLM2-135M to MQA by every pooling method: perplexity, conversion time"),

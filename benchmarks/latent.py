@@ -11,8 +11,15 @@ mla-smollm2  SmolLM2-135M-Instruct (GQA-3: 3 key/value heads of width 64, 384 ca
              results.json and cache.png (perplexity against cache bytes per token); every conversion and run is kept
              in latent/smollm2/runs/<name>.json and read back on a rerun.
 
+mla-decode   Greedy decoding at batch 1 after prompts of `--context_lengths` tokens: `zoo_mla` (the scaling
+             benchmark's width and depth, its `small` preset's widths) on its absorbed path, the same model on its
+             expanded path, and `zoo_gqa` with as many parameters (its MLP widened to match, printed). Decode tokens/s
+             and the cache each holds per token; samples alternate between the three, ratios are medians of
+             back-to-back pairs. Writes results/mla_decode.md and .json.
+
     python benchmarks/latent.py mla-smollm2 [--shapes 128+64 64+32 32+16] [--reference_text FILE]
-    hf-attn-zoo bench mla-smollm2 ...     (the same, from a source checkout)
+    python benchmarks/latent.py mla-decode [--context_lengths 256 1024 2048]
+    hf-attn-zoo bench mla-smollm2 ... | hf-attn-zoo bench mla-decode ...     (the same, from a source checkout)
 """
 
 import json
@@ -22,7 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import FOLDER, Benchmark, main, write_results
+from common import FOLDER, RESULTS, Benchmark, Results, alternate, compare, main, paired_ratio, write_results
+from decode import prefill_and_decode
+from scaling import ScalingSetup, benchmark_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from uptraining import CONFIGS, SmolLM2Setup, reference_perplexity, split_by_year, uptrain_converted
 
@@ -252,7 +261,96 @@ def plot_cache(result: dict, path: Path) -> bool:
     return True
 
 
-BENCHMARKS = {"mla-smollm2": Benchmark(LatentSetup, run_latent)}
+@dataclass
+class LatentDecodeSetup(Results):
+    """Batch-1 decoding of MLA, absorbed and expanded, against GQA of equal parameters."""
+
+    output_dir: str = field(default=str(RESULTS), metadata={"help": "folder for mla_decode.md and .json"})
+    context_lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048], metadata={"help": "prompt tokens"})
+    new_tokens: int = field(default=64, metadata={"help": "generated tokens"})
+    runs: int = field(default=2, metadata={"help": "calls per sample; the fastest counts"})
+    repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
+
+
+def parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def equal_parameter_gqa(mla, size: ScalingSetup, max_length: int):
+    """`zoo_gqa` at MLA's backbone (its `small` preset's key/value heads) with the MLP widened until the parameter
+    counts agree (to one MLP column per layer)."""
+    gqa = benchmark_model("gqa", size, max_length)
+    config = gqa.config
+    per_column = 3 * config.hidden_size * config.num_hidden_layers  # gate, up and down weights of one MLP column
+    extra = round((parameters(mla) - parameters(gqa)) / per_column)
+    torch.manual_seed(0)
+    return (
+        type(gqa)
+        ._from_config(
+            type(config)(**{**config.to_dict(), "intermediate_size": config.intermediate_size + extra}),
+            attn_implementation=config._attn_implementation,
+        )
+        .eval()
+    )
+
+
+def run_latent_decode(setup: LatentDecodeSetup, log=print) -> list[dict]:
+    size = ScalingSetup()
+    max_length = max(setup.context_lengths) + setup.new_tokens
+    absorbed = benchmark_model("mla", size, max_length)
+    expanded = benchmark_model("mla", size, max_length)  # the same weights (seeded), decoding by expansion
+    for layer in expanded.model.layers:
+        layer.self_attn.absorb_for_decoding = False
+    gqa = equal_parameter_gqa(absorbed, size, max_length)
+    models = {"absorbed": absorbed, "expanded": expanded, "gqa": gqa}
+    counts = {label: parameters(model) for label, model in models.items()}
+    log(f"parameters: {counts} (gqa intermediate_size {gqa.config.intermediate_size})")
+    rows = []
+    for length in setup.context_lengths:
+        prompt = torch.randint(0, size.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+
+        def measure(model, prompt=prompt):
+            return prefill_and_decode(model, prompt, setup.new_tokens, setup.runs)
+
+        samples = alternate(models, {"generate": measure}, setup.repeats)["generate"]
+        decode = {label: [s[1] for s in samples[label]] for label in samples}
+        row = {"context": length, "parameters": counts}
+        row.update(compare({"absorbed": decode["absorbed"], "gqa": decode["gqa"]}, "decode"))
+        row["decode_expanded"] = compare({"expanded": decode["expanded"], "gqa": decode["gqa"]}, "d")["d_expanded"]
+        row["absorbed_over_expanded"] = paired_ratio(decode["absorbed"], decode["expanded"])
+        tokens = length + setup.new_tokens - 1
+        row["cache_bytes_per_token"] = {label: samples[label][-1][2] / tokens for label in ("absorbed", "gqa")}
+        rows.append(row)
+        log(
+            f"context {length}: absorbed {row['decode_absorbed']:,.0f}/s, expanded {row['decode_expanded']:,.0f}/s, "
+            f"gqa {row['decode_gqa']:,.0f}/s; absorbed/gqa {row['decode_ratio']:.2f}x, absorbed/expanded "
+            f"{row['absorbed_over_expanded']:.2f}x"
+        )
+    lines = [
+        f"Greedy decoding at batch 1, {setup.new_tokens} new tokens after the prompt: `zoo_mla` "
+        f"({size.num_hidden_layers} x {size.hidden_size}, {counts['absorbed']:,} parameters) on its absorbed and "
+        f"its expanded path, against `zoo_gqa` with {counts['gqa']:,} (MLP widened to match). Decode tokens/s "
+        "(medians; ratios: medians of back-to-back pairs) and cache bytes per token (float32, all layers, measured).",
+        "",
+        "| context | MLA absorbed | MLA expanded | GQA | absorbed / GQA | absorbed / expanded | cache MLA "
+        "| cache GQA |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        cache = row["cache_bytes_per_token"]
+        lines.append(
+            f"| {row['context']} | {row['decode_absorbed']:,.0f} | {row['decode_expanded']:,.0f} | "
+            f"{row['decode_gqa']:,.0f} | {row['decode_ratio']:.2f}x | {row['absorbed_over_expanded']:.2f}x | "
+            f"{cache['absorbed']:,.0f} | {cache['gqa']:,.0f} |"
+        )
+    write_results(Path(setup.output_dir), "mla_decode", rows, "\n".join(lines), log=log)
+    return rows
+
+
+BENCHMARKS = {
+    "mla-smollm2": Benchmark(LatentSetup, run_latent),
+    "mla-decode": Benchmark(LatentDecodeSetup, run_latent_decode),
+}
 
 if __name__ == "__main__":
     sys.exit(main(BENCHMARKS))

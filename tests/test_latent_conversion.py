@@ -229,3 +229,17 @@ def test_the_smollm2_benchmark_runs_on_a_small_llama_and_resumes(tmp_path, monke
     monkeypatch.setattr(latent, "uptrain_converted", lambda *a, **k: pytest.fail("a finished run ran again"))
     monkeypatch.setattr(latent, "to_mla", lambda *a, **k: pytest.fail("a finished conversion ran again"))
     assert latent.run_latent(setup, log=lambda line: None)["uptrained"] == result["uptrained"]
+
+
+def test_the_decode_benchmark_compares_equal_parameter_models(tmp_path):
+    from hf_attn_zoo.cli import benchmark_script
+
+    latent = benchmark_script("latent")
+    setup = latent.LatentDecodeSetup(output_dir=str(tmp_path), context_lengths=[16], new_tokens=3, runs=1, repeats=1)
+    (row,) = latent.run_latent_decode(setup, log=lambda line: None)
+    counts = row["parameters"]
+    assert counts["absorbed"] == counts["expanded"] and abs(counts["gqa"] / counts["absorbed"] - 1) < 0.01
+    # 6 layers x (latent 4 x 32 + RoPE key 16) float32 values; GQA: 6 x 2 heads x 2 x 32
+    assert row["cache_bytes_per_token"] == {"absorbed": 6 * 144 * 4, "gqa": 6 * 128 * 4}
+    assert row["decode_ratio"] > 0 and row["absorbed_over_expanded"] > 0
+    assert "| 16 |" in (tmp_path / "mla_decode.md").read_text()
