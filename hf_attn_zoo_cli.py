@@ -149,15 +149,13 @@ class ConvertOptions:
         metadata={"help": "mqa: one key/value head; mla: a latent and a shared RoPE key per token (DeepSeek-V2)"}
     )
     num_key_value_heads: int | None = field(default=None, metadata={"help": "G for --to gqa"})
-    method: Literal["mean", "first", "random", "aligned", "grouped", "grouped_aligned", "rorope", "norm"] | None = (
-        field(
-            default=None,
-            metadata={
-                "help": "gqa/mqa: how heads are pooled (default mean; aligned, grouped and grouped_aligned are fitted "
-                "on --calibration); mla: how the shared RoPE key is chosen (default rorope, TransMLA's principal "
-                "axes; norm: the heads' mean)"
-            },
-        )
+    method: Literal["mean", "first", "random", "aligned", "grouped", "grouped_aligned", "rorope"] | None = field(
+        default=None,
+        metadata={
+            "help": "gqa/mqa: how heads are pooled (default mean; aligned, grouped and grouped_aligned are fitted "
+            "on --calibration); mla: how the shared RoPE key is chosen (default rorope, TransMLA's principal "
+            "axes; mean: the heads' mean first)"
+        },
     )
     kv_lora_rank: int | None = field(default=None, metadata={"help": "--to mla: the latent's width"})
     qk_rope_head_dim: int | None = field(

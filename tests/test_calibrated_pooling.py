@@ -210,5 +210,6 @@ def test_the_command_line_offers_every_method():
     from hf_attn_zoo.convert import METHODS, MLA_METHODS
     from hf_attn_zoo_cli import ConvertOptions
 
-    choices, none = typing.get_args(ConvertOptions.__dataclass_fields__["method"].type)  # Literal[...] | None
-    assert typing.get_args(choices) == (*METHODS, *MLA_METHODS) and none is type(None)
+    # the annotation, not the dataclass field's type, which transformers' HfArgumentParser rewrites when it parses
+    choices, none = typing.get_args(typing.get_type_hints(ConvertOptions)["method"])  # Literal[...] | None
+    assert typing.get_args(choices) == tuple(dict.fromkeys((*METHODS, *MLA_METHODS))) and none is type(None)

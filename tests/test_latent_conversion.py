@@ -78,7 +78,7 @@ def test_rorope_first_component_carries_the_most_key_energy():
         )
         rope_key = converted["kv_a_proj_with_mqa.weight"][8:]  # (2 * 4, D): the shared RoPE key's rows
         energy[method] = torch.einsum("rd,de,re->", rope_key, covariance, rope_key).item()
-    assert energy["rorope"] >= energy["norm"] * (1 - 1e-9)
+    assert energy["rorope"] >= energy["mean"] * (1 - 1e-9)
 
 
 def test_calibration_weighs_the_latent_fit():
@@ -90,7 +90,7 @@ def test_calibration_weighs_the_latent_fit():
     layer = parent.model.layers[0].self_attn
     weights = {f"{name}.weight": getattr(layer, name).weight for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     config = parent.config
-    args = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, 6, 2, "norm")
+    args = (config.num_attention_heads, config.num_key_value_heads, config.head_dim, 6, 2, "mean")
     values = layer.v_proj.weight.double()  # (H d, D)
     error = {}
     for label, sigma in (("calibrated", covariance), ("weights only", torch.eye(config.hidden_size).double())):
@@ -123,7 +123,9 @@ def test_the_cli_converts_a_checkpoint_that_loads_without_the_package(tmp_path, 
     base = ["convert", str(parent), str(tmp_path / "mla"), "--to", "mla"]
     assert "--kv_lora_rank R" in one_line_error(capsys, base)
     assert "kv_lora_rank=99" in one_line_error(capsys, [*base, "--kv_lora_rank", "99"])
-    assert "--method mean does not apply" in one_line_error(capsys, [*base, "--kv_lora_rank", "8", "--method", "mean"])
+    assert "--method aligned does not apply" in one_line_error(
+        capsys, [*base, "--kv_lora_rank", "8", "--method", "aligned"]
+    )
     assert not (tmp_path / "mla").exists()
     options = ["--kv_lora_rank", "8", "--qk_rope_head_dim", "4", "--calibration", str(calibration)]
     assert main([*base, *options]) == 0
@@ -209,9 +211,9 @@ def test_the_smollm2_benchmark_runs_on_a_small_llama_and_resumes(tmp_path, monke
     result = latent.run_latent(setup, log=lambda line: None)
     assert [(c["method"], c["kv_lora_rank"]) for c in result["conversions"]] == [
         ("rorope", 8),
-        ("norm", 8),
+        ("mean", 8),
         ("rorope", 4),
-        ("norm", 4),
+        ("mean", 4),
     ]
     # float32 bytes over 2 layers: GQA 2 x 2 heads x 8, MLA latent + RoPE key
     assert result["gqa"]["cache_bytes_per_token"] == 2 * 4 * 32

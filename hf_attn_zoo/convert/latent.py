@@ -9,7 +9,7 @@ token and layer, instead of 2·G·d. Per layer:
    coordinates) commutes with the rotation RoPE applies to the plane, and the queries take U_f too (query head h's
    coefficient for mixed component j is U_f[g(h), j]), so every score is unchanged. `method="rorope"` takes U_f from
    the principal axes of the heads' keys on the calibration text (largest first), so the first component carries as
-   much of the keys as one head can; `method="norm"` takes the heads' mean as the first component (the direction
+   much of the keys as one head can; `method="mean"` takes the heads' mean as the first component (the direction
    mean pooling keeps), with no fit.
 2. **Keep RoPE on the first component of the most important frequencies** (MHA2MLA's partial RoPE, Ji et al. 2025):
    `qk_rope_head_dim / 2` frequencies ranked by the 2-norm criterion, the sum over query heads of ||q_f||·||k_f||
@@ -40,7 +40,7 @@ from ..models import ZooForCausalLM, get_variant
 from .calibrated import calibration_batches, check_enough
 from .llama import from_llama, in_mha_family
 
-MLA_METHODS = ("rorope", "norm")
+MLA_METHODS = ("rorope", "mean")
 
 
 @torch.no_grad()
