@@ -41,6 +41,7 @@ from transformers import LlamaForCausalLM
 from hf_attn_zoo.decoding import generate_compiled
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models.compat_zoo import returned_cache
 
 
 @dataclass
@@ -67,7 +68,7 @@ def prefill_and_decode(model, prompt: torch.Tensor, new_tokens: int, runs: int) 
 
     first, rest = prefill_and_decode_seconds(generate, new_tokens, runs)
     rows, prompt_len = prompt.shape
-    return rows * prompt_len / first, rows * (new_tokens - 1) / rest, cache_nbytes(last["output"].past_key_values)
+    return rows * prompt_len / first, rows * (new_tokens - 1) / rest, cache_nbytes(returned_cache(last["output"]))
 
 
 def decode_benchmark(setup: DecodeSetup, log: Callable[[str], None] = print) -> list[dict]:

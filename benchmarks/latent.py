@@ -40,6 +40,7 @@ from hf_attn_zoo.convert import MLA_METHODS, from_llama, mha_to_gqa, to_mla
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.models.compat_zoo import returned_cache
 
 HELD_OUT_WINDOW = 512  # as `bench uptrain-smollm2`
 
@@ -76,7 +77,7 @@ def cache_bytes_per_token(model, tokens: int = 32) -> float:
     """Bytes the model's cache holds per token, summed over layers: measured on the cache after a forward."""
     input_ids = torch.arange(3, 3 + tokens)[None]
     with torch.no_grad():
-        cache = model(input_ids, use_cache=True).past_key_values
+        cache = returned_cache(model(input_ids, use_cache=True))
     held = sum(
         tensor.numel() * tensor.element_size() for layer in cache.layers for tensor in (layer.keys, layer.values)
     )

@@ -38,6 +38,7 @@ from common import Benchmark, Results, main, write_results
 
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.models import VARIANTS, get_variant
+from hf_attn_zoo.models.compat_zoo import returned_cache
 
 
 @dataclass
@@ -139,7 +140,7 @@ def measure_decode_cache(model, tokens: int) -> int:
         pad_token_id=0,
         return_dict_in_generate=True,
     )
-    return cache_nbytes(out.past_key_values)
+    return cache_nbytes(returned_cache(out))
 
 
 def measure_time(setup: ScalingSetup, log=print) -> dict:

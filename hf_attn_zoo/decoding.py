@@ -80,7 +80,7 @@ def generate_compiled(
         input_ids,
         attention_mask=attention_mask,
         max_new_tokens=max_new_tokens,
-        past_key_values=cache,
+        cache=cache,
         compile_config=compile_config(input_ids.device),
         **generate_kwargs,
     )

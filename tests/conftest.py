@@ -13,6 +13,7 @@ import transformers
 from packaging.version import Version
 
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models.compat_zoo import CACHE_KWARG, returned_cache  # noqa: F401 (the tests import them from here)
 
 import references
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ATOL, left_padded_batch, tiny_model
+from conftest import ATOL, left_padded_batch, returned_cache, tiny_model
 
 
 @pytest.mark.parametrize("name", ["aft_full", "aft_local", "aft_simple"])
@@ -56,7 +56,7 @@ def test_simple_decodes_from_a_state_of_width_d():
     input_ids = torch.randint(3, 90, (2, 5))
     for new_tokens in (3, 30):
         cache = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
-        cache = cache.past_key_values
+        cache = returned_cache(cache)
         for layer in cache.layers:
             assert {name: tuple(t.shape) for name, t in layer.state.items() if t.numel()} == {
                 "max": (2, 32),
@@ -67,7 +67,8 @@ def test_simple_decodes_from_a_state_of_width_d():
 
 def test_local_state_holds_the_window_only():
     model = tiny_model("aft_local", aft_window=4)
-    cache = model.generate(
+    out = model.generate(
         torch.randint(3, 90, (1, 20)), max_new_tokens=9, do_sample=False, return_dict_in_generate=True
-    ).past_key_values
+    )
+    cache = returned_cache(out)
     assert cache.layers[0].state["keys"].shape == (1, 3, 32)  # the last s - 1 keys

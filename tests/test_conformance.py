@@ -17,6 +17,7 @@ from conftest import (
     VOCAB_SIZE,
     left_padded_batch,
     positions_from_mask,
+    returned_cache,
     tiny_config,
     tiny_model,
 )
@@ -82,10 +83,10 @@ def test_chunked_prefill_then_decode_matches_uncached(name, position):
                 input_ids[:, start:end],
                 attention_mask=attention_mask[:, :end],
                 position_ids=position_ids[:, start:end],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
-            cache = out.past_key_values
+            cache = returned_cache(out)
             pieces.append(out.logits)
     cached = torch.cat(pieces, dim=1)
     for i, row in enumerate(rows):

@@ -27,7 +27,7 @@ from hf_attn_zoo.convert import from_llama
 from hf_attn_zoo.convert.llama import LLAMA_BACKBONE, SHARED_FIELDS
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import ATOL, VOCAB_SIZE, tiny_model
+from conftest import ATOL, CACHE_KWARG, VOCAB_SIZE, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 FLOOR_TESTS = [
@@ -111,10 +111,10 @@ def prefill(model, press, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.
     step from the compressed cache."""
     cache = DynamicCache()
     with torch.no_grad(), press(model):
-        model(input_ids, past_key_values=cache)
+        model(input_ids, **{CACHE_KWARG: cache})
     with torch.no_grad():
         next_token = torch.full((input_ids.shape[0], 1), 5)
-        logits = model(next_token, past_key_values=cache).logits[:, -1]
+        logits = model(next_token, **{CACHE_KWARG: cache}).logits[:, -1]
     return cache, logits
 
 
@@ -158,7 +158,7 @@ def test_press_on_a_state_variant_refuses_saying_why(name, works_with):
         with make_press("knorm")(model):
             pytest.fail("the press was entered")
     cache = model.model.make_cache()
-    model(torch.randint(3, VOCAB_SIZE, (1, 16)), past_key_values=cache)
+    model(torch.randint(3, VOCAB_SIZE, (1, 16)), cache=cache)
     with pytest.raises(AttributeError, match="running state"):
         _ = cache.layers[0].keys
     works_with("kvpress", name, refused=model.model.attention_class.kv_compression_refusal(model.config))

@@ -11,7 +11,7 @@ from hf_attn_zoo.cli import main
 from hf_attn_zoo.convert import to_mla
 from hf_attn_zoo.convert.latent import MLA_METHODS, input_covariances, latent_attention
 
-from conftest import ATOL, VOCAB_SIZE, assert_loads_without_the_package, left_padded_batch, tiny_model
+from conftest import ATOL, VOCAB_SIZE, assert_loads_without_the_package, left_padded_batch, returned_cache, tiny_model
 
 
 def with_identical_key_heads(model):
@@ -107,8 +107,8 @@ def test_the_converted_cache_holds_the_latent_and_the_rope_key():
     converted = to_mla(parent, kv_lora_rank=4, qk_rope_head_dim=4)
     input_ids = torch.randint(3, VOCAB_SIZE, (1, 20))
     with torch.no_grad():
-        cache = converted(input_ids, use_cache=True).past_key_values
-        parent_cache = parent(input_ids, use_cache=True).past_key_values
+        cache = returned_cache(converted(input_ids, use_cache=True))
+        parent_cache = returned_cache(parent(input_ids, use_cache=True))
     per_token = [(layer.keys.numel() + layer.values.numel()) / input_ids.shape[1] for layer in cache.layers]
     parent_per_token = [
         (layer.keys.numel() + layer.values.numel()) / input_ids.shape[1] for layer in parent_cache.layers

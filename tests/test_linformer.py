@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import references
-from conftest import ATOL, left_padded_batch, tiny_model
+from conftest import ATOL, left_padded_batch, returned_cache, tiny_model
 
 
 def reference_check(model, lengths=(11, 7, 4)):
@@ -65,10 +65,10 @@ def test_decoding_state_does_not_grow():
     model = tiny_model("linformer", max_position_embeddings=64)
     input_ids = torch.randint(3, 90, (2, 5))
     out = model.generate(input_ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-    small = sum(layer.nbytes() for layer in out.past_key_values.layers)
+    small = sum(layer.nbytes() for layer in returned_cache(out).layers)
     out = model.generate(input_ids, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
-    assert sum(layer.nbytes() for layer in out.past_key_values.layers) == small
-    assert out.past_key_values.get_seq_length() == 5 + 40 - 1
+    assert sum(layer.nbytes() for layer in returned_cache(out).layers) == small
+    assert returned_cache(out).get_seq_length() == 5 + 40 - 1
 
 
 def test_decoding_strategies_the_state_cannot_serve_fail_clearly():
@@ -76,8 +76,8 @@ def test_decoding_strategies_the_state_cannot_serve_fail_clearly():
     input_ids = torch.randint(3, 90, (1, 6))
     with pytest.raises(ValueError, match="state per layer"):
         model.generate(input_ids, max_new_tokens=2, cache_implementation="static")
-    cache = model(input_ids, use_cache=True).past_key_values
+    cache = returned_cache(model(input_ids, use_cache=True))
     with pytest.raises(ValueError, match="cannot be removed"):
         cache.crop(-1)
     with pytest.raises(TypeError, match="make_cache"):
-        model(input_ids, past_key_values=DynamicCache(), use_cache=True)
+        model(input_ids, cache=DynamicCache(), use_cache=True)

@@ -8,7 +8,7 @@ from torch import nn
 from hf_attn_zoo.models import get_variant
 
 import references
-from conftest import ATOL, VOCAB_SIZE, assert_loads_without_the_package, left_padded_batch, tiny_config
+from conftest import ATOL, VOCAB_SIZE, assert_loads_without_the_package, left_padded_batch, returned_cache, tiny_config
 
 MLA = get_variant("mla")
 
@@ -22,12 +22,12 @@ def decode_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     """Logits of a prefill of `prefill` tokens, then of one token at a time from the cache: `(B, T, vocab)`."""
     with torch.no_grad():
         out = model(input_ids[:, :prefill], attention_mask=attention_mask[:, :prefill], use_cache=True)
-        logits, cache = [out.logits], out.past_key_values
+        logits, cache = [out.logits], returned_cache(out)
         for t in range(prefill, input_ids.shape[1]):
             out = model(
                 input_ids[:, t : t + 1],
                 attention_mask=attention_mask[:, : t + 1],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
             logits.append(out.logits)
@@ -76,10 +76,8 @@ def test_absorbed_attention_weights_are_the_expanded_ones():
     input_ids, attention_mask, _ = left_padded_batch()
     with torch.no_grad():
         full = model(input_ids, attention_mask=attention_mask, output_attentions=True).attentions
-        cache = model(input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=True).past_key_values
-        step = model(
-            input_ids[:, -1:], attention_mask=attention_mask, past_key_values=cache, output_attentions=True
-        ).attentions
+        cache = returned_cache(model(input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=True))
+        step = model(input_ids[:, -1:], attention_mask=attention_mask, cache=cache, output_attentions=True).attentions
     for whole, last in zip(full, step):
         assert last.shape == (input_ids.shape[0], model.config.num_attention_heads, 1, input_ids.shape[1])
         torch.testing.assert_close(last[:, :, 0], whole[:, :, -1], rtol=0, atol=ATOL)
@@ -142,7 +140,7 @@ def test_the_cache_holds_one_latent_and_one_rope_key_per_token():
     for heads in (2, 4, 8):
         model = tiny_mla(num_attention_heads=heads, hidden_size=32, kv_lora_rank=12, qk_rope_head_dim=4)
         with torch.no_grad():
-            cache = model(input_ids, use_cache=True).past_key_values
+            cache = returned_cache(model(input_ids, use_cache=True))
         values = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
         sizes[heads] = values / input_ids.shape[1]
     assert sizes == {heads: 2 * (12 + 4) for heads in (2, 4, 8)}

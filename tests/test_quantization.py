@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from hf_attn_zoo import quantization
 from hf_attn_zoo.quantization import int8_config, quantize_int8, quantized_cache_kwargs
 
+from conftest import returned_cache
 from test_integrations import byte_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +116,7 @@ def test_quantized_key_value_cache(checkpoint):
     errors = {}
     for nbits in (2, 4):
         quantized = fp32.generate(**inputs, **settings, **quantized_cache_kwargs(fp32, nbits, residual_length=8))
-        assert type(quantized.past_key_values).__name__ == "QuantizedCache"
+        assert type(returned_cache(quantized)).__name__ == "QuantizedCache"
         # the prompt's keys and values went through `nbits` integers: the first decoded step's scores move
         errors[nbits] = relative_error(quantized.scores[1], exact.scores[1])
     assert 0 < errors[4] < errors[2] and errors[4] < 0.3, errors  # more bits, closer to float32

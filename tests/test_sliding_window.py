@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ATOL, left_padded_batch, positions_from_mask, tiny_model
+from conftest import ATOL, left_padded_batch, positions_from_mask, returned_cache, tiny_model
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "learned"])
@@ -22,10 +22,10 @@ def test_banded_kernel_matches_dense_mask_with_padding_and_cache(position):
                 input_ids[:, start:end],
                 attention_mask=attention_mask[:, :end],
                 position_ids=position_ids[:, start:end],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
-            cache = out.past_key_values
+            cache = returned_cache(out)
             pieces.append(out.logits)
     cached = torch.cat(pieces, dim=1)
     for i, row in enumerate(rows):

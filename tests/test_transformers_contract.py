@@ -17,7 +17,7 @@ from transformers import (
 
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import ATOL, CASES, VOCAB_SIZE, left_padded_batch, tiny_config, tiny_model
+from conftest import ATOL, CASES, VOCAB_SIZE, left_padded_batch, returned_cache, tiny_config, tiny_model
 
 NAMES = list(VARIANTS)
 # variants that decode from running sums (Linformer, AFT): no rollback, so no assisted or prompt-lookup decoding
@@ -133,7 +133,7 @@ def test_output_flags_fall_back_to_the_config(name):
             assert torch.equal(a, b)
     else:  # documented: no attention weights (AFT has none; causal Linformer's change at every step)
         assert all(weights is None for weights in by_config.attentions or ())
-    assert by_config.past_key_values is not None
+    assert returned_cache(by_config) is not None
     assert isinstance(as_tuple, tuple) and len(as_tuple) == 3  # logits, hidden states, attentions: no cache
     for i, row in enumerate(rows):  # without a cache the padding rows take another mask path: real tokens agree
         torch.testing.assert_close(as_tuple[0][i, -len(row) :], by_config.logits[i, -len(row) :], atol=ATOL, rtol=0)

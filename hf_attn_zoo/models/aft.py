@@ -158,7 +158,7 @@ def aft_attend(
     if valid is None:
         valid = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
     if documents is not None and state is not None:
-        raise ValueError("packed documents are read without a cache: pass past_key_values=None, use_cache=False")
+        raise ValueError("packed documents are read without a cache: pass cache=None, use_cache=False")
     if state is None:
         empty = keys.new_zeros(batch, 0, width)
         state = {
@@ -305,9 +305,7 @@ class ZooAFTAttention(ZooAttention):
         v = self.position_bias_v(key_positions.clamp(min=0)).float()  # (B, S, r)
         return u @ v.transpose(1, 2)
 
-    def forward(
-        self, hidden_states, attention_mask: TokenMask, position_embeddings=None, past_key_values=None, **kwargs
-    ):
+    def forward(self, hidden_states, attention_mask: TokenMask, position_embeddings=None, cache=None, **kwargs):
         batch, length, _ = hidden_states.shape
         gate = torch.sigmoid(self.q_proj(hidden_states))
         # the exponentials run in float32 whatever the model's dtype
@@ -320,7 +318,7 @@ class ZooAFTAttention(ZooAttention):
                     f"{self.config.max_position_embeddings}, the size of AFT's position bias; shorten the input or "
                     f"build the model with a larger max_position_embeddings."
                 )
-        layer = state_layer(past_key_values, self.layer_idx, self.config.model_type)
+        layer = state_layer(cache, self.layer_idx, self.config.model_type)
         window = {"full": None, "simple": 0}.get(self.mode, getattr(self.config, "aft_window", None))
         bias = None if self.mode == "simple" else self.pairwise_bias
         chunk = self.config.query_chunk_size

@@ -122,14 +122,14 @@ class ZooStateCache(Cache):
         super().__init__(layers=[layer_class() for _ in range(num_layers)])
 
 
-def state_layer(past_key_values: Cache | None, layer_idx: int, model_type: str) -> ZooStateLayer | None:
+def state_layer(cache: Cache | None, layer_idx: int, model_type: str) -> ZooStateLayer | None:
     """The state layer of `layer_idx`, or a clear error when the cache is not one this variant can use."""
-    if past_key_values is None:
+    if cache is None:
         return None
-    layer = past_key_values.layers[layer_idx] if layer_idx < len(past_key_values.layers) else None
+    layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
     if not isinstance(layer, ZooStateLayer):
         raise TypeError(
-            f"{model_type} decodes from a state per layer and cannot use a {type(past_key_values).__name__} of "
-            f"key/value layers; pass past_key_values=model.model.make_cache(), or let generate() create it."
+            f"{model_type} decodes from a state per layer and cannot use a {type(cache).__name__} of "
+            f"key/value layers; pass cache=model.model.make_cache(), or let generate() create it."
         )
     return layer

@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 try:  # transformers >= 5.3
     from transformers.modeling_utils import slice_logits_to_keep
@@ -75,6 +76,39 @@ def _config_fields(cls: type) -> dict:
     return fields
 
 
+# transformers 5.24 renamed the cache keyword and output field `past_key_values` to `cache` (models, layers, mask
+# builders, `generate`), keeping the old name as a deprecated alias. The zoo is written with `cache`; CACHE_KWARG is
+# the name this release passes between modules and returns in outputs, so that hooks registered `with_kwargs`
+# (kvpress's) and callers find the cache where they find Llama's.
+CACHE_KWARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def takes_past_key_values(forward: Callable) -> Callable:
+    """`forward` (written with a `cache` keyword) also takes `past_key_values`, as transformers' modules do: from 5.24
+    through transformers' own deprecation (a warning, as Llama gives), before it silently, since there it is the name
+    transformers itself passes (`generate`, Llama's layers, exporters' wrappers)."""
+    if CACHE_KWARG == "cache":
+        from transformers.utils.deprecation import deprecate_kwarg
+
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def renamed(*args, past_key_values: Cache | None = None, **kwargs):
+        if past_key_values is not None:
+            if kwargs.get("cache") is not None:
+                raise ValueError("Pass the cache once: `cache` or `past_key_values`, not both.")
+            kwargs["cache"] = past_key_values
+        return forward(*args, **kwargs)
+
+    return renamed
+
+
+def returned_cache(output) -> Cache | None:
+    """The cache in a model's (or `generate`'s) output, under this release's name for it: `output.cache` from 5.24,
+    `output.past_key_values` before (which 5.24 still reads, with a deprecation warning)."""
+    return getattr(output, CACHE_KWARG)
+
+
 def _keep_all(
     batch_idx: torch.Tensor, head_idx: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
 ) -> torch.Tensor:
@@ -89,14 +123,18 @@ def _takes(function: Callable, keyword: str) -> bool:
 
 def build_mask(mask_function: Callable, allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
     """Call transformers' `create_causal_mask` / `create_sliding_window_causal_mask` with the keywords of newer
-    releases. Before 5.3 (no `allow_is_causal_skip` keyword) they need `cache_position`, the positions of the new
-    tokens in the cache, and build a materialised mask when given an extra mask function: an all-true one keeps
-    the mask and forces it out, where the zoo needs it materialised (ALiBi adds its bias to it)."""
+    releases, the cache given as `cache` (passed on under this release's name). Before 5.3 (no
+    `allow_is_causal_skip` keyword) they need `cache_position`, the positions of the new tokens in the cache, and
+    build a materialised mask when given an extra mask function: an all-true one keeps the mask and forces it out,
+    where the zoo needs it materialised (ALiBi adds its bias to it)."""
+    if CACHE_KWARG != "cache":
+        kwargs[CACHE_KWARG] = kwargs.pop("cache", None)
     if _takes(mask_function, "allow_is_causal_skip"):
         kwargs.pop("cache_position", None)
         return mask_function(allow_is_causal_skip=allow_is_causal_skip, **kwargs)
     if kwargs.get("cache_position") is None:
-        past = kwargs["past_key_values"].get_seq_length() if kwargs.get("past_key_values") is not None else 0
+        cache = kwargs[CACHE_KWARG]
+        past = cache.get_seq_length() if cache is not None else 0
         length = kwargs["inputs_embeds"].shape[1]
         kwargs["cache_position"] = torch.arange(past, past + length, device=kwargs["inputs_embeds"].device)
     if not allow_is_causal_skip:
@@ -127,11 +165,14 @@ def cache_mask_sizes(cache: Cache, query_length: int, layer_idx: int) -> tuple[i
 
 
 __all__ = [
+    "CACHE_KWARG",
     "DATACLASS_CONFIGS",
     "PASSES_CACHE_POSITION",
     "ZooConfigBase",
     "build_mask",
+    "returned_cache",
     "cache_mask_sizes",
     "cache_update_args",
     "slice_logits_to_keep",
+    "takes_past_key_values",
 ]

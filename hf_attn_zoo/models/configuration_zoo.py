@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from transformers.activations import ACT2FN
 
-from .compat_zoo import ZooConfigBase
+from .compat_zoo import CACHE_KWARG, ZooConfigBase
 
 POSITION_EMBEDDING_TYPES = ("rope", "alibi", "sinusoidal", "learned", "none")
 NORM_TYPES = ("rmsnorm", "layernorm")
@@ -81,7 +81,7 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
     """
 
     model_type = "zoo"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_KWARG]  # what the Trainer drops from outputs before gathering logits
 
     # What a variant declares about itself (`hf-attn-zoo list`, model cards and `ZooVariant` read these).
     supported_position_types: ClassVar[tuple[str, ...]] = POSITION_EMBEDDING_TYPES

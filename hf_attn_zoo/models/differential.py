@@ -168,7 +168,7 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length = hidden_states.shape[:2]
@@ -180,9 +180,9 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
             query, key = apply_rotary(query, key, *position_embeddings)  # both maps rotate alike
         # (B, 2G, T, d) -> (B, T, 2G, d) -> (B, T, G, 2d) -> (B, G, T, 2d): maps 2g and 2g + 1 side by side
         key = key.transpose(1, 2).reshape(batch, length, -1, 2 * self.head_dim).transpose(1, 2)
-        if past_key_values is not None:
+        if cache is not None:
             # (B, G, S, 2d) each
-            key, value = past_key_values.update(key, value, self.layer_idx, *cache_update_args(kwargs))
+            key, value = cache.update(key, value, self.layer_idx, *cache_update_args(kwargs))
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

@@ -142,9 +142,7 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
     def linformer_projection(self) -> LinformerProjection:
         return self.projection if self.projection is not None else self.borrowed_projection[0]
 
-    def forward(
-        self, hidden_states, attention_mask: TokenMask, position_embeddings=None, past_key_values=None, **kwargs
-    ):
+    def forward(self, hidden_states, attention_mask: TokenMask, position_embeddings=None, cache=None, **kwargs):
         batch, length = hidden_states.shape[:2]
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, G, T, d) x 2
         positions = kwargs["position_ids"].expand(batch, -1)  # (B, T) true positions
@@ -157,7 +155,7 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         # (B, P, k, T) x 2, zero at padding
         key_columns, value_columns = self.linformer_projection.columns(positions, attention_mask.padding)
         documents = attention_mask.documents
-        layer = state_layer(past_key_values, self.layer_idx, self.config.model_type)
+        layer = state_layer(cache, self.layer_idx, self.config.model_type)
         weights = None
         if self.config.is_causal:
             state = layer and layer.read()

@@ -93,7 +93,7 @@ def has_padding(attention_mask: torch.Tensor | None) -> bool:
 
 
 def packed_documents(
-    position_ids: torch.LongTensor, attention_mask: torch.Tensor | None, past_key_values: Cache | None, batch: int
+    position_ids: torch.LongTensor, attention_mask: torch.Tensor | None, cache: Cache | None, batch: int
 ) -> torch.LongTensor | None:
     """The document index of each token of a packed row `(B, T)`, or None when each row holds one sequence.
 
@@ -101,7 +101,7 @@ def packed_documents(
     `DataCollatorWithFlattening`), a row whose `position_ids` restart at 0 holds several documents, which must not
     see each other. Dense masks get this from `create_causal_mask`; the blockwise and token masks get it here.
     """
-    if attention_mask is not None or past_key_values is not None:
+    if attention_mask is not None or cache is not None:
         return None
     return find_packed_sequence_indices(position_ids.expand(batch, -1))
 
@@ -111,7 +111,7 @@ def attention_mask_for(
     config: ZooConfig,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None,
+    cache: Cache | None,
     position_ids: torch.LongTensor,
     output_attentions: bool = False,
 ) -> torch.Tensor | BlockwiseCausalMask | TokenMask | None:
@@ -122,17 +122,15 @@ def attention_mask_for(
         # used as it is: a variant whose own kind is dense stays on that path rather than switching to its banded one
         kind = "dense"
     if kind == "dense":
-        return dense_mask(attention_class, config, inputs_embeds, attention_mask, past_key_values, position_ids)
+        return dense_mask(attention_class, config, inputs_embeds, attention_mask, cache, position_ids)
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(
             f"{config.model_type} builds its own causal mask and takes a 2D padding mask (batch, length), got a "
             f"{attention_mask.ndim}D attention_mask; pass the padding mask instead."
         )
-    documents = packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
+    documents = packed_documents(position_ids, attention_mask, cache, inputs_embeds.shape[0])
     if kind == "blockwise":
-        return blockwise_mask(
-            attention_class, config, inputs_embeds, attention_mask, past_key_values, position_ids, documents
-        )
+        return blockwise_mask(attention_class, config, inputs_embeds, attention_mask, cache, position_ids, documents)
     padding = None
     if has_padding(attention_mask):
         padding = attention_mask[:, -inputs_embeds.shape[1] :].bool()  # (B, T): the new tokens
@@ -144,7 +142,7 @@ def dense_mask(
     config: ZooConfig,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None,
+    cache: Cache | None,
     position_ids: torch.LongTensor,
 ) -> torch.Tensor | None:
     """The causal and padding mask for the chosen backend; with ALiBi, an additive float mask with the bias."""
@@ -160,7 +158,7 @@ def dense_mask(
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
-        past_key_values=past_key_values,
+        cache=cache,
         position_ids=position_ids,
         allow_is_causal_skip=not alibi,  # ALiBi needs the mask materialised to carry its bias
     )
@@ -181,17 +179,17 @@ def blockwise_mask(
     config: ZooConfig,
     inputs_embeds: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    past_key_values: Cache | None,
+    cache: Cache | None,
     position_ids: torch.LongTensor,
     documents: torch.LongTensor | None = None,
 ) -> BlockwiseCausalMask:
     batch_size, query_length = inputs_embeds.shape[:2]
     key_length, past_length = query_length, 0
-    if past_key_values is not None:
-        key_length, _ = cache_mask_sizes(past_key_values, query_length, 0)
+    if cache is not None:
+        key_length, _ = cache_mask_sizes(cache, query_length, 0)
         # The queries follow the cached tokens. A rolling (sliding) cache holds only the last of them; a static cache
         # is longer than what it holds, and its slots after the queries are empty (causality hides them).
-        past_length = min(int(past_key_values.get_seq_length()), key_length - query_length)
+        past_length = min(int(cache.get_seq_length()), key_length - query_length)
     key_padding = None
     if has_padding(attention_mask):
         seen = attention_mask.shape[1] - query_length  # tokens before the queries, cached or not
@@ -210,6 +208,6 @@ def blockwise_mask(
         )
         mask.query_positions = position_ids.expand(batch_size, -1)
         # without a cache the keys are the queries (an empty past broadcast against a dynamic length trips exporters)
-        no_past = past_key_values is None
+        no_past = cache is None
         mask.key_positions = mask.query_positions if no_past else key_positions(mask.query_positions, mask.past_length)
     return mask

@@ -93,15 +93,15 @@ class ZooMultiHeadAttention(ZooAttention):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]  # (B, T)
         query_states, key_states, value_states = self.project(hidden_states, position_embeddings)
 
-        if past_key_values is not None:
+        if cache is not None:
             # (B, G, S, d_h): everything cached so far, this step included
-            key_states, value_states = past_key_values.update(
+            key_states, value_states = cache.update(
                 key_states, value_states, self.layer_idx, *cache_update_args(kwargs)
             )
 

@@ -283,7 +283,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, length = hidden_states.shape[:2]
@@ -298,10 +298,10 @@ class ZooMultiHeadLatentAttention(ZooAttention):
             if self.rope_channels is not None:  # a conversion's frequencies out of the parent's ladder
                 cos, sin = cos[..., self.rope_channels], sin[..., self.rope_channels]  # (B, T, rope)
             query_rope, key_rope = apply_rotary(query_rope, key_rope, cos, sin)
-        if past_key_values is not None:
-            self.check_preallocated(past_key_values)
+        if cache is not None:
+            self.check_preallocated(cache)
             # (B, 1, S, r) and (B, 1, S, rope): every latent and RoPE key so far, this step's included
-            latent, key_rope = past_key_values.update(latent, key_rope, self.layer_idx, *cache_update_args(kwargs))
+            latent, key_rope = cache.update(latent, key_rope, self.layer_idx, *cache_update_args(kwargs))
 
         if length == 1 and self.absorb_for_decoding and self.up_projection_folds():
             output, weights = self.attend_absorbed(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)
@@ -309,11 +309,11 @@ class ZooMultiHeadLatentAttention(ZooAttention):
             output, weights = self.attend_expanded(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)
         return self.o_proj(output.reshape(batch, length, -1)), weights  # (B, T, H, v) -> (B, T, H * v)
 
-    def check_preallocated(self, past_key_values: Cache) -> None:
+    def check_preallocated(self, cache: Cache) -> None:
         """Refuse a static cache that was allocated before the first write at other widths than the latent's (the
         ExecuTorch recipe sizes keys and values alike from the config), rather than fail inside the cache's copy.
         A static cache sized by its first write, as `generate(cache_implementation="static")` leaves it, holds it."""
-        layers = getattr(past_key_values, "layers", None)
+        layers = getattr(cache, "layers", None)
         layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
         keys = getattr(layer, "keys", None)
         if getattr(layer, "is_initialized", False) and keys is not None and keys.dim() == 4:

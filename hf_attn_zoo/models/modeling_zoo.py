@@ -48,7 +48,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
 from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
-from .compat_zoo import PASSES_CACHE_POSITION, build_mask, slice_logits_to_keep
+from .compat_zoo import CACHE_KWARG, PASSES_CACHE_POSITION, build_mask, slice_logits_to_keep, takes_past_key_values
 from .configuration_zoo import ZooConfig
 from .loss_zoo import causal_lm_loss_fused
 from .masks_zoo import attention_mask_for
@@ -131,9 +131,9 @@ class ZooMLP(ZooModule):
 class ZooAttention(ZooModule):
     """Base of every variant's token mixer, and the protocol through which the backbone asks a variant what it needs.
 
-    Contract: `forward(hidden_states, attention_mask, position_embeddings, past_key_values, **kwargs)` maps
+    Contract: `forward(hidden_states, attention_mask, position_embeddings, cache, **kwargs)` maps
     `(B, T, hidden_size)` to `(output (B, T, hidden_size), attention weights (B, H, T, S) or None)`. It writes its
-    cache with `past_key_values.update(..., self.layer_idx)` (or into its state layer) and ends with `o_proj`, the
+    cache with `cache.update(..., self.layer_idx)` (or into its state layer) and ends with `o_proj`, the
     projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is Llama's RoPE
     `(cos, sin)` pair for `apply_rotary` at width `rotary_dim(config)` when `position_embedding_type ==
     "rope"`, else None; ALiBi arrives inside `attention_mask`; `position_ids` (true positions) and the resolved
@@ -157,6 +157,12 @@ class ZooAttention(ZooModule):
     # The outputs it returns with `output_attentions`: softmax weights whose rows sum to one, unless declared
     attention_weights_sum_to_one: ClassVar[bool] = True
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # a variant writes `forward(..., cache=None, ...)`; callers of any transformers release may say past_key_values
+        if "forward" in cls.__dict__:
+            cls.forward = takes_past_key_values(cls.forward)
 
     def __init__(self, config: ZooConfig, layer_idx: int) -> None:
         super().__init__()
@@ -282,20 +288,22 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         for projection in (self.self_attn.o_proj, self.mlp.down_proj):
             projection.writes_residual = True
 
+    @takes_past_key_values
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask=None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
-        # keywords, as Llama's layer passes them: hooks registered `with_kwargs` (kvpress) find `hidden_states`
+        # keywords, as Llama's layer passes them: hooks registered `with_kwargs` (kvpress) find `hidden_states`, and
+        # the cache under this transformers release's name for it
         attn_output, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
+            **{CACHE_KWARG: cache},
             **kwargs,
         )
         hidden_states = hidden_states + self._dropout(attn_output)
@@ -310,7 +318,7 @@ class ZooPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ZooDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_KWARG]
     _can_record_outputs = {"hidden_states": ZooDecoderLayer, "attentions": ZooAttention}
     # Set on each variant's classes from its attention's `backends` (`ZooModel.__init_subclass__`)
     _supports_sdpa = False
@@ -448,6 +456,7 @@ class ZooModel(ZooPreTrainedModel):
             return ZooStateCache(self.config.num_hidden_layers, self.attention_class.cache_layer)
         return DynamicCache(config=self.config)
 
+    @takes_past_key_values
     @returns_output_to_its_head
     @merge_with_config_defaults
     @capture_outputs
@@ -456,7 +465,7 @@ class ZooModel(ZooPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -465,11 +474,11 @@ class ZooModel(ZooPreTrainedModel):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
-        if use_cache and past_key_values is None:
-            past_key_values = self.make_cache()
+        if use_cache and cache is None:
+            cache = self.make_cache()
         if self.attention_class.decodes_from_state():
-            self._check_state_cache(past_key_values)
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+            self._check_state_cache(cache)
+        past_length = cache.get_seq_length() if cache is not None else 0
         if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:  # transformers < 5.3: as Llama there
             kwargs["cache_position"] = torch.arange(
                 past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device
@@ -502,7 +511,7 @@ class ZooModel(ZooPreTrainedModel):
             self.config,
             inputs_embeds,
             attention_mask,
-            past_key_values,
+            cache,
             position_ids,
             kwargs["output_attentions"],
         )
@@ -513,23 +522,23 @@ class ZooModel(ZooPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                **{CACHE_KWARG: cache},
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
 
-    def _check_state_cache(self, past_key_values: Cache | None) -> None:
+    def _check_state_cache(self, cache: Cache | None) -> None:
         """A variant that decodes from a running state refuses a cache of keys and values before anything runs, so
         that an exporter tracing it with a static cache (ExecuTorch's) reports this rather than a tracing error from
         inside a layer."""
-        layers = getattr(past_key_values, "layers", None)
+        layers = getattr(cache, "layers", None)
         if layers is None or (layers and all(isinstance(layer, self.attention_class.cache_layer) for layer in layers)):
             return
         raise TypeError(
             f"{self.config.model_type} decodes from a running state per layer, which a "
-            f"{type(past_key_values).__name__} of keys and values cannot hold, so it cannot decode from (or be "
-            f"exported with) a static key/value cache. Pass past_key_values=model.model.make_cache() or let "
+            f"{type(cache).__name__} of keys and values cannot hold, so it cannot decode from (or be "
+            f"exported with) a static key/value cache. Pass cache=model.model.make_cache() or let "
             f"generate() create it; to export, export the forward without a cache (use_cache=False)."
         )
 
@@ -645,7 +654,7 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if not self.model.attention_class.decodes_from_state():
             return
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_KWARG)
         if cache is None or getattr(cache, "_is_user_defined", False):
             return
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -653,14 +662,15 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
                 f"{self.config.model_type} decodes from a state per layer, not from keys and values: "
                 f"cache_implementation={generation_config.cache_implementation!r} does not apply; leave it unset."
             )
-        model_kwargs["past_key_values"] = self.model.make_cache()
+        model_kwargs[CACHE_KWARG] = self.model.make_cache()
 
+    @takes_past_key_values
     def create_masks_for_generate(
         self,
         config: ZooConfig,
         inputs_embeds: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        cache: Cache | None,
         position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> torch.Tensor | None:
@@ -675,7 +685,7 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=position_ids,
             cache_position=kwargs.get("cache_position"),
         )
@@ -692,13 +702,14 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             and logits_to_keep == 0
         )
 
+    @takes_past_key_values
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -722,7 +733,7 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -744,7 +755,7 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
