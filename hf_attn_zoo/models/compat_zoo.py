@@ -147,12 +147,19 @@ def build_mask(mask_function: Callable, allow_is_causal_skip: bool = True, **kwa
 PASSES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
 
 
-def cache_update_args(attention_kwargs: dict) -> tuple[dict, ...]:
-    """The arguments after `layer_idx` of `Cache.update`: none from 5.3 on; before, the `cache_kwargs` carrying
-    `cache_position`, where a static cache writes the new keys and values (without it, at slot 0 onwards)."""
-    if not PASSES_CACHE_POSITION:
-        return ()
-    return ({"cache_position": attention_kwargs.get("cache_position")},)
+def update_cache(
+    cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, attention_kwargs: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cache.update(key, value, layer_idx, ...)` with what this release's caches read besides. From 5.24 the
+    attention keywords themselves (`kwargs=`), which transformers' paged cache (continuous batching) reads and fills
+    in place for the attention function that follows, as Llama passes them; from 5.3 to 5.23 nothing; before 5.3 the
+    `cache_kwargs` carrying `cache_position`, where a static cache writes the new keys and values (without it, at slot
+    0 onwards)."""
+    if CACHE_KWARG == "cache":
+        return cache.update(key, value, layer_idx, kwargs=attention_kwargs)
+    if PASSES_CACHE_POSITION:
+        return cache.update(key, value, layer_idx, {"cache_position": attention_kwargs.get("cache_position")})
+    return cache.update(key, value, layer_idx)
 
 
 def cache_mask_sizes(cache: Cache, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -172,7 +179,7 @@ __all__ = [
     "build_mask",
     "returned_cache",
     "cache_mask_sizes",
-    "cache_update_args",
     "slice_logits_to_keep",
     "takes_past_key_values",
+    "update_cache",
 ]

@@ -33,7 +33,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
 
-from .compat_zoo import cache_update_args
+from .compat_zoo import update_cache
 from .configuration_zoo import ZooConfig, sized
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
@@ -182,7 +182,7 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
         key = key.transpose(1, 2).reshape(batch, length, -1, 2 * self.head_dim).transpose(1, 2)
         if cache is not None:
             # (B, G, S, 2d) each
-            key, value = cache.update(key, value, self.layer_idx, *cache_update_args(kwargs))
+            key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward

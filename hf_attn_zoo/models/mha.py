@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .compat_zoo import cache_update_args
+from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, sized
 from .modeling_zoo import (
     BACKENDS,
@@ -79,9 +79,9 @@ class ZooMultiHeadAttention(ZooAttention):
 
     @classmethod
     def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
-        # `attend` calls transformers' attention function, which writes and reads the paged cache itself; a subclass
-        # with a kernel of its own (only "eager" among its backends, as the backbone reads it) or a state gets the
-        # default refusal unless it answers for itself
+        # the paged cache prepares its reads and writes in `update_cache`, and transformers' attention function that
+        # `attend` calls does them; a subclass with a kernel of its own (only "eager" among its backends, as the
+        # backbone reads it) or a state gets the default refusal unless it answers for itself
         if len(cls.backends) == 1 or cls.decodes_from_state():
             return super().continuous_batching_refusal(config)
         if config.position_embedding_type == "alibi":
@@ -101,9 +101,7 @@ class ZooMultiHeadAttention(ZooAttention):
 
         if cache is not None:
             # (B, G, S, d_h): everything cached so far, this step included
-            key_states, value_states = cache.update(
-                key_states, value_states, self.layer_idx, *cache_update_args(kwargs)
-            )
+            key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
 
         attn_output, attn_weights = self.attend(query_states, key_states, value_states, attention_mask, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H, d_h) -> (B, T, H * d_h)

@@ -45,7 +45,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
-from .compat_zoo import cache_update_args
+from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, _is_positive_int, sized
 from .modeling_zoo import (
     ZooAttention,
@@ -301,7 +301,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         if cache is not None:
             self.check_preallocated(cache)
             # (B, 1, S, r) and (B, 1, S, rope): every latent and RoPE key so far, this step's included
-            latent, key_rope = cache.update(latent, key_rope, self.layer_idx, *cache_update_args(kwargs))
+            latent, key_rope = update_cache(cache, latent, key_rope, self.layer_idx, kwargs)
 
         if length == 1 and self.absorb_for_decoding and self.up_projection_folds():
             output, weights = self.attend_absorbed(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)

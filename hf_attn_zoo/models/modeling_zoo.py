@@ -478,12 +478,13 @@ class ZooModel(ZooPreTrainedModel):
             cache = self.make_cache()
         if self.attention_class.decodes_from_state():
             self._check_state_cache(cache)
-        past_length = cache.get_seq_length() if cache is not None else 0
         if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:  # transformers < 5.3: as Llama there
-            kwargs["cache_position"] = torch.arange(
-                past_length, past_length + inputs_embeds.shape[1], device=inputs_embeds.device
-            )
+            past = cache.get_seq_length() if cache is not None else 0
+            kwargs["cache_position"] = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
         if position_ids is None:
+            # the cache's length is read only here, as in Llama: continuous batching gives positions with a paged
+            # cache that has no single length
+            past_length = cache.get_seq_length() if cache is not None else 0
             count_real_tokens = self.attention_class.reads_positions or self.position_embedding_type in (
                 "alibi",
                 "sinusoidal",
