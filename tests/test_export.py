@@ -119,8 +119,8 @@ def test_executorch_static_cache_refuses_other_widths(name, works_with):
     works_with(
         "executorch",
         name,
-        refused="caches a latent and a RoPE key of their own widths, which a static cache allocated at one head_dim "
-        "cannot hold; export without a cache",
+        refused="it caches a latent and a RoPE key of their own widths, which a static cache allocated at one "
+        "head_dim cannot hold; export without a cache",
     )
 
 
