@@ -58,7 +58,10 @@ class LatentSetup(SmolLM2Setup):
         default_factory=lambda: ["128+64", "64+32", "32+16"],
         metadata={"help": "kv_lora_rank+qk_rope_head_dim of each conversion (their sum is cached per layer)"},
     )
-    uptrain: bool = field(default=True, metadata={"help": "uptrain the better method at each shape"})
+    uptrain: bool = field(
+        default=True,
+        metadata={"help": "uptrain the better method at each shape (--no_uptrain: report only uptrainings kept)"},
+    )
     mqa_runs: str = field(
         default=str(FOLDER / "uptrain" / "smollm2" / "runs"),
         metadata={"help": "`bench uptrain-smollm2`'s runs: the MQA points (aligned and mean pooling)"},
@@ -145,11 +148,13 @@ def run_latent(setup: LatentSetup, log=print) -> dict:
 
         for method in setup.methods:
             conversions.append(kept(f"{method}-{rank}+{rope}", lambda method=method: converted(method)[0]))
-        if not setup.uptrain:
-            continue
         shape = [c for c in conversions if (c["kv_lora_rank"], c["qk_rope_head_dim"]) == (rank, rope)]
         best = min(shape, key=lambda c: c["held_out_perplexity"])
         name = f"{best['method']}-{rank}+{rope}"
+        if not setup.uptrain:  # none started; one finished before is still reported
+            finished = out / "runs" / f"{name}-uptrained.json"
+            uptrained += [json.loads(finished.read_text())] if finished.is_file() else []
+            continue
 
         def uptrain(best=best, name=name, converted=converted):
             run = uptrain_converted(setup, out / name, converted(best["method"])[1], tokenizer, splits, held_out)

@@ -231,6 +231,9 @@ def test_the_smollm2_benchmark_runs_on_a_small_llama_and_resumes(tmp_path, monke
     monkeypatch.setattr(latent, "uptrain_converted", lambda *a, **k: pytest.fail("a finished run ran again"))
     monkeypatch.setattr(latent, "to_mla", lambda *a, **k: pytest.fail("a finished conversion ran again"))
     assert latent.run_latent(setup, log=lambda line: None)["uptrained"] == result["uptrained"]
+    # --no_uptrain starts none and still reports those finished
+    setup.uptrain = False
+    assert latent.run_latent(setup, log=lambda line: None)["uptrained"] == result["uptrained"]
 
 
 def test_the_decode_benchmark_compares_equal_parameter_models(tmp_path):
