@@ -79,9 +79,9 @@ class ZooMultiHeadAttention(ZooAttention):
 
     @classmethod
     def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
-        # the paged cache prepares its reads and writes in `update_cache`, and transformers' attention function that
-        # `attend` calls does them; a subclass with a kernel of its own (only "eager" among its backends, as the
-        # backbone reads it) or a state gets the default refusal unless it answers for itself
+        # transformers' paged cache (through `update_cache`) and the attention function `attend` calls read and write
+        # the pages; a subclass with a kernel of its own (only "eager" among its backends, as the backbone reads it)
+        # or a state gets the default refusal unless it answers for itself
         if len(cls.backends) == 1 or cls.decodes_from_state():
             return super().continuous_batching_refusal(config)
         if config.position_embedding_type == "alibi":
