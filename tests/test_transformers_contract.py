@@ -2,6 +2,7 @@
 for every registered variant: packed sequences, flags from the config, output shapes and tuples, loading a base-model
 checkpoint, `inputs_embeds` in `generate`, and decoding strategies a variant cannot run refused before any work."""
 
+import contextlib
 import copy
 
 import pytest
@@ -17,7 +18,16 @@ from transformers import (
 
 from hf_attn_zoo.models import VARIANTS
 
-from conftest import ATOL, CASES, VOCAB_SIZE, left_padded_batch, returned_cache, tiny_config, tiny_model
+from conftest import (
+    ATOL,
+    CACHE_KWARG,
+    CASES,
+    VOCAB_SIZE,
+    left_padded_batch,
+    returned_cache,
+    tiny_config,
+    tiny_model,
+)
 
 NAMES = list(VARIANTS)
 # variants that decode from running sums (Linformer, AFT): no rollback, so no assisted or prompt-lookup decoding
@@ -151,6 +161,22 @@ def test_return_dict_false_gives_tuples_for_the_base_model_too(name):
         )
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], as_dict.last_hidden_state)
     assert len(as_tuple[1]) == model.config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("name", ["gqa", "aft_simple", "mla"])
+def test_the_cache_is_taken_under_either_name(name):
+    """`cache=` on every release and `past_key_values=`, transformers' name before 5.24 (deprecated from it), decode
+    the same step from the same cache."""
+    model = tiny_model(name)
+    input_ids = torch.randint(3, VOCAB_SIZE, (2, 9))
+    with torch.no_grad(), pytest.warns(FutureWarning) if CACHE_KWARG == "cache" else contextlib.nullcontext():
+        steps = []
+        for keyword in ("cache", "past_key_values"):
+            prefix = returned_cache(model(input_ids[:, :-1], use_cache=True))
+            steps.append(model(input_ids[:, -1:], use_cache=True, **{keyword: prefix}).logits)
+    whole = model(input_ids).logits[:, -1:]
+    torch.testing.assert_close(steps[0], whole, atol=ATOL, rtol=0)
+    assert torch.equal(steps[0], steps[1])  # the same cache and the same step: bit-identical
 
 
 # loading ----------------------------------------------------------------------------------------------------------

@@ -48,7 +48,14 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
 from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
-from .compat_zoo import CACHE_KWARG, PASSES_CACHE_POSITION, build_mask, slice_logits_to_keep, takes_past_key_values
+from .compat_zoo import (
+    CACHE_KWARG,
+    PASSES_CACHE_POSITION,
+    build_mask,
+    returned_cache,
+    slice_logits_to_keep,
+    takes_past_key_values,
+)
 from .configuration_zoo import ZooConfig
 from .loss_zoo import causal_lm_loss_fused
 from .masks_zoo import attention_mask_for
@@ -756,7 +763,7 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
+            **{CACHE_KWARG: returned_cache(outputs)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
