@@ -11,14 +11,17 @@ mla-smollm2  SmolLM2-135M-Instruct (GQA-3: 3 key/value heads of width 64, 384 ca
              results.json and cache.png (perplexity against cache bytes per token); every conversion and run is kept
              in latent/smollm2/runs/<name>.json and read back on a rerun.
 
-mla-decode   Greedy decoding at batch 1 after prompts of `--context_lengths` tokens: `zoo_mla` (the scaling
-             benchmark's width and depth, its `small` preset's widths) on its absorbed path, the same model on its
-             expanded path, and `zoo_gqa` with as many parameters (its MLP widened to match, printed). Decode tokens/s
-             and the cache each holds per token; samples alternate between the three, ratios are medians of
-             back-to-back pairs. Writes results/mla_decode.md and .json.
+mla-decode   Greedy decoding at batch 1 after prompts of `--context_lengths` tokens, with generate()'s dynamic and
+             static caches: `zoo_mla` on its absorbed path, the same model on its expanded path, and `zoo_gqa` with
+             as many parameters (its MLP widened or narrowed to match, printed), at two `--shapes`: the scaling
+             benchmark's model with each variant's `small` preset, and SmolLM2-135M's shape with MLA as
+             `mla-smollm2` converts it at a quarter of the cache against the parent's GQA-3 (random weights). Decode
+             tokens/s timed step by step inside generate() (the prefill left out) and the cache each holds per token;
+             samples alternate between the three, ratios are medians of back-to-back pairs. Writes
+             results/mla_decode.md and .json.
 
     python benchmarks/latent.py mla-smollm2 [--shapes 128+64 64+32 32+16] [--reference_text FILE]
-    python benchmarks/latent.py mla-decode [--context_lengths 256 1024 2048]
+    python benchmarks/latent.py mla-decode [--shapes small smollm2] [--caches dynamic static] [--context_lengths 256]
     hf-attn-zoo bench mla-smollm2 ... | hf-attn-zoo bench mla-decode ...     (the same, from a source checkout)
 """
 
@@ -30,9 +33,8 @@ from pathlib import Path
 
 import torch
 from common import FOLDER, RESULTS, Benchmark, Results, alternate, compare, main, paired_ratio, write_results
-from decode import prefill_and_decode
-from scaling import ScalingSetup, benchmark_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from scaling import ScalingSetup, benchmark_model, cache_nbytes
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 from uptraining import CONFIGS, SmolLM2Setup, reference_perplexity, split_by_year, uptrain_converted
 
 from hf_attn_zoo.checkpoints import write_atomically
@@ -40,6 +42,7 @@ from hf_attn_zoo.convert import MLA_METHODS, from_llama, mha_to_gqa, to_mla
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.models import get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
 
 HELD_OUT_WINDOW = 512  # as `bench uptrain-smollm2`
@@ -267,14 +270,43 @@ def plot_cache(result: dict, path: Path) -> bool:
     return True
 
 
+# SmolLM2-135M's shape, and what `bench mla-smollm2` converts it into at a quarter of its cache (64+32): the parent's
+# GQA-3 and MLA as `to_mla` leaves it (no-RoPE queries as wide as the latent, no latent norm, 16 of 32 frequencies)
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    intermediate_size=1536,
+    vocab_size=49152,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+SMOLLM2_MLA = dict(kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, latent_norm=False)
+DECODE_SHAPES = ("small", "smollm2")
+CACHES = ("dynamic", "static")
+
+
 @dataclass
 class LatentDecodeSetup(Results):
     """Batch-1 decoding of MLA, absorbed and expanded, against GQA of equal parameters."""
 
     output_dir: str = field(default=str(RESULTS), metadata={"help": "folder for mla_decode.md and .json"})
+    shapes: list[str] = field(
+        default_factory=lambda: list(DECODE_SHAPES),
+        metadata={
+            "help": "small: the scaling benchmark's 6 x 256, 8 heads, MLA's preset (latent 128 + RoPE 16) against "
+            "GQA's (2 key/value heads); smollm2: SmolLM2-135M's 30 x 576, MLA at 64+32 as converted against GQA-3"
+        },
+    )
+    caches: list[str] = field(
+        default_factory=lambda: list(CACHES),
+        metadata={
+            "help": "generate()'s dynamic cache (grown by concatenation) and/or its static one (written in place)"
+        },
+    )
     context_lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048], metadata={"help": "prompt tokens"})
-    new_tokens: int = field(default=64, metadata={"help": "generated tokens"})
-    runs: int = field(default=2, metadata={"help": "calls per sample; the fastest counts"})
+    new_tokens: int = field(default=32, metadata={"help": "generated tokens (the first is the prefill's)"})
+    runs: int = field(default=1, metadata={"help": "generations per sample; the fastest counts"})
     repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
 
 
@@ -282,75 +314,141 @@ def parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def equal_parameter_gqa(mla, size: ScalingSetup, max_length: int):
-    """`zoo_gqa` at MLA's backbone (its `small` preset's key/value heads) with the MLP widened until the parameter
-    counts agree (to one MLP column per layer)."""
-    gqa = benchmark_model("gqa", size, max_length)
-    config = gqa.config
+def equal_parameter_gqa(mla, fields: dict):
+    """`zoo_gqa` of `fields` with its MLP widened (or narrowed) until its parameter count is MLA's (to one MLP column
+    per layer)."""
+    gqa = get_variant("gqa")
+    config = gqa.config(**fields)
     per_column = 3 * config.hidden_size * config.num_hidden_layers  # gate, up and down weights of one MLP column
-    extra = round((parameters(mla) - parameters(gqa)) / per_column)
+    extra = round((parameters(mla) - parameters(gqa.causal_lm_class._from_config(config))) / per_column)
     torch.manual_seed(0)
-    return (
-        type(gqa)
-        ._from_config(
-            type(config)(**{**config.to_dict(), "intermediate_size": config.intermediate_size + extra}),
-            attn_implementation=config._attn_implementation,
-        )
-        .eval()
+    return gqa.build(**{**fields, "intermediate_size": config.intermediate_size + extra}).eval()
+
+
+def decode_models(shape: str, max_length: int) -> dict:
+    """The three models of a shape: MLA decoding absorbed, the same weights decoding expanded, GQA of as many
+    parameters."""
+    if shape == "small":
+        size = ScalingSetup()
+        absorbed = benchmark_model("mla", size, max_length)
+        expanded = benchmark_model("mla", size, max_length)  # the same weights (seeded)
+        gqa_fields = {
+            **get_variant("gqa").preset("small"),
+            "hidden_size": size.hidden_size,
+            "num_hidden_layers": size.num_hidden_layers,
+            "num_attention_heads": size.num_attention_heads,
+            "vocab_size": size.vocab_size,
+            "max_position_embeddings": max_length,
+        }
+    elif shape == "smollm2":
+        fields = {**SMOLLM2_SHAPE, "max_position_embeddings": max_length}
+        frequencies = [list(range(SMOLLM2_MLA["qk_rope_head_dim"] // 2))] * fields["num_hidden_layers"]
+        mla = get_variant("mla")
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(mla.build(**fields, **SMOLLM2_MLA, rope_frequencies=frequencies).eval())
+        absorbed, expanded = models
+        gqa_fields = {**fields, "num_key_value_heads": 3}
+    else:
+        raise SystemExit(f"--shapes {shape}: use some of {' '.join(DECODE_SHAPES)}")
+    for layer in expanded.model.layers:
+        layer.self_attn.absorb_for_decoding = False
+    return {"absorbed": absorbed, "expanded": expanded, "gqa": equal_parameter_gqa(absorbed, gqa_fields)}
+
+
+class StepClock(LogitsProcessor):
+    """Stamps the time whenever `generate()` has the logits of a new token: once after the prefill, then once per
+    decode step, so consecutive stamps are one step apart, `generate()`'s own work included."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+@torch.no_grad()
+def decode_step_seconds(model, prompt: torch.Tensor, new_tokens: int, cache: str) -> tuple[float, float]:
+    """(seconds per decode step after the prefill, bytes the cache holds per position it holds), greedy."""
+    clock = StepClock()
+    output = model.generate(
+        prompt,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=LogitsProcessorList([clock]),
+        cache_implementation=None if cache == "dynamic" else cache,
+        return_dict_in_generate=True,
     )
+    held = returned_cache(output)
+    positions = held.layers[0].keys.shape[-2]  # a static cache holds its whole length from the start
+    return (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1), cache_nbytes(held) / positions
 
 
 def run_latent_decode(setup: LatentDecodeSetup, log=print) -> list[dict]:
-    size = ScalingSetup()
+    unknown = sorted(set(setup.caches) - set(CACHES))
+    if unknown:
+        raise SystemExit(f"--caches {' '.join(unknown)}: use some of {' '.join(CACHES)}")
+    if setup.new_tokens < 2:
+        raise SystemExit(f"--new_tokens {setup.new_tokens}: at least 2, the first token is the prefill's")
     max_length = max(setup.context_lengths) + setup.new_tokens
-    absorbed = benchmark_model("mla", size, max_length)
-    expanded = benchmark_model("mla", size, max_length)  # the same weights (seeded), decoding by expansion
-    for layer in expanded.model.layers:
-        layer.self_attn.absorb_for_decoding = False
-    gqa = equal_parameter_gqa(absorbed, size, max_length)
-    models = {"absorbed": absorbed, "expanded": expanded, "gqa": gqa}
-    counts = {label: parameters(model) for label, model in models.items()}
-    log(f"parameters: {counts} (gqa intermediate_size {gqa.config.intermediate_size})")
     rows = []
-    for length in setup.context_lengths:
-        prompt = torch.randint(0, size.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    for shape in setup.shapes:
+        models = decode_models(shape, max_length)
+        counts = {label: parameters(model) for label, model in models.items()}
+        log(f"{shape}: parameters {counts} (gqa intermediate_size {models['gqa'].config.intermediate_size})")
+        for cache in setup.caches:
+            for length in setup.context_lengths:
+                prompt = torch.randint(
+                    0, models["gqa"].config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1)
+                )
 
-        def measure(model, prompt=prompt):
-            return prefill_and_decode(model, prompt, setup.new_tokens, setup.runs)
+                def measure(model, prompt=prompt, cache=cache):
+                    best = min(decode_step_seconds(model, prompt, setup.new_tokens, cache) for _ in range(setup.runs))
+                    return 1 / best[0], best[1]
 
-        samples = alternate(models, {"generate": measure}, setup.repeats)["generate"]
-        decode = {label: [s[1] for s in samples[label]] for label in samples}
-        row = {"context": length, "parameters": counts}
-        row.update(compare({"absorbed": decode["absorbed"], "gqa": decode["gqa"]}, "decode"))
-        row["decode_expanded"] = compare({"expanded": decode["expanded"], "gqa": decode["gqa"]}, "d")["d_expanded"]
-        row["absorbed_over_expanded"] = paired_ratio(decode["absorbed"], decode["expanded"])
-        tokens = length + setup.new_tokens - 1
-        row["cache_bytes_per_token"] = {label: samples[label][-1][2] / tokens for label in ("absorbed", "gqa")}
-        rows.append(row)
-        log(
-            f"context {length}: absorbed {row['decode_absorbed']:,.0f}/s, expanded {row['decode_expanded']:,.0f}/s, "
-            f"gqa {row['decode_gqa']:,.0f}/s; absorbed/gqa {row['decode_ratio']:.2f}x, absorbed/expanded "
-            f"{row['absorbed_over_expanded']:.2f}x"
-        )
+                samples = alternate(models, {"decode": measure}, setup.repeats)["decode"]
+                rate = {label: [tokens_per_s for tokens_per_s, _ in samples[label]] for label in samples}
+                row = {"shape": shape, "cache": cache, "context": length, "parameters": counts}
+                row.update(compare({"absorbed": rate["absorbed"], "gqa": rate["gqa"]}, "decode"))
+                row["decode_expanded"] = compare({"expanded": rate["expanded"], "gqa": rate["gqa"]}, "d")["d_expanded"]
+                row["absorbed_over_expanded"] = paired_ratio(rate["absorbed"], rate["expanded"])
+                row["cache_bytes_per_token"] = {label: samples[label][-1][1] for label in ("absorbed", "gqa")}
+                rows.append(row)
+                log(
+                    f"{shape}, {cache} cache, context {length}: absorbed {row['decode_absorbed']:,.1f}/s, expanded "
+                    f"{row['decode_expanded']:,.1f}/s, gqa {row['decode_gqa']:,.1f}/s; absorbed/gqa "
+                    f"{row['decode_ratio']:.2f}x, absorbed/expanded {row['absorbed_over_expanded']:.2f}x"
+                )
+    write_results(Path(setup.output_dir), "mla_decode", rows, decode_table(setup, rows), log=log)
+    return rows
+
+
+def decode_table(setup: LatentDecodeSetup, rows: list[dict]) -> str:
     lines = [
-        f"Greedy decoding at batch 1, {setup.new_tokens} new tokens after the prompt: `zoo_mla` "
-        f"({size.num_hidden_layers} x {size.hidden_size}, {counts['absorbed']:,} parameters) on its absorbed and "
-        f"its expanded path, against `zoo_gqa` with {counts['gqa']:,} (MLP widened to match). Decode tokens/s "
-        "(medians; ratios: medians of back-to-back pairs) and cache bytes per token (float32, all layers, measured).",
+        f"Greedy decoding at batch 1, {setup.new_tokens - 1} decode steps after the prompt: `zoo_mla` on its absorbed "
+        "and its expanded path against `zoo_gqa` with as many parameters (its MLP widened or narrowed to match). "
+        "small: 6 x 256, 8 heads, MLA latent 128 + RoPE 16 against GQA's 2 key/value heads of 32; smollm2: "
+        "SmolLM2-135M's 30 x 576, 9 heads, MLA 64 + 32 as `to_mla` leaves it against GQA-3 (heads of 64); random "
+        "weights. Decode tokens/s (medians; ratios: medians of back-to-back pairs) and cache bytes per token "
+        "(float32, all layers, measured).",
         "",
-        "| context | MLA absorbed | MLA expanded | GQA | absorbed / GQA | absorbed / expanded | cache MLA "
-        "| cache GQA |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| shape | cache | context | parameters MLA / GQA | MLA absorbed | MLA expanded | GQA | absorbed / GQA "
+        "| absorbed / expanded | cache MLA | cache GQA |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
-        cache = row["cache_bytes_per_token"]
+        cache, counts = row["cache_bytes_per_token"], row["parameters"]
         lines.append(
-            f"| {row['context']} | {row['decode_absorbed']:,.0f} | {row['decode_expanded']:,.0f} | "
-            f"{row['decode_gqa']:,.0f} | {row['decode_ratio']:.2f}x | {row['absorbed_over_expanded']:.2f}x | "
-            f"{cache['absorbed']:,.0f} | {cache['gqa']:,.0f} |"
+            f"| {row['shape']} | {row['cache']} | {row['context']} | {counts['absorbed']:,} / {counts['gqa']:,} | "
+            f"{row['decode_absorbed']:,.1f} | {row['decode_expanded']:,.1f} | {row['decode_gqa']:,.1f} | "
+            f"{row['decode_ratio']:.2f}x | {row['absorbed_over_expanded']:.2f}x | {cache['absorbed']:,.0f} | "
+            f"{cache['gqa']:,.0f} |"
         )
-    write_results(Path(setup.output_dir), "mla_decode", rows, "\n".join(lines), log=log)
-    return rows
+    return "\n".join(lines)
 
 
 BENCHMARKS = {

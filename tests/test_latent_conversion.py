@@ -236,15 +236,47 @@ def test_the_smollm2_benchmark_runs_on_a_small_llama_and_resumes(tmp_path, monke
     assert latent.run_latent(setup, log=lambda line: None)["uptrained"] == result["uptrained"]
 
 
-def test_the_decode_benchmark_compares_equal_parameter_models(tmp_path):
+def test_the_decode_benchmark_compares_equal_parameter_models(tmp_path, monkeypatch):
     from hf_attn_zoo.cli import benchmark_script
 
     latent = benchmark_script("latent")
-    setup = latent.LatentDecodeSetup(output_dir=str(tmp_path), context_lengths=[16], new_tokens=3, runs=1, repeats=1)
-    (row,) = latent.run_latent_decode(setup, log=lambda line: None)
-    counts = row["parameters"]
-    assert counts["absorbed"] == counts["expanded"] and abs(counts["gqa"] / counts["absorbed"] - 1) < 0.01
+    # SmolLM2's shape cut to 2 layers and a small vocabulary: the same attention, seconds to build
+    monkeypatch.setitem(latent.SMOLLM2_SHAPE, "num_hidden_layers", 2)
+    monkeypatch.setitem(latent.SMOLLM2_SHAPE, "vocab_size", 512)
+    setup = latent.LatentDecodeSetup(output_dir=str(tmp_path), context_lengths=[16], new_tokens=3, repeats=1)
+    rows = latent.run_latent_decode(setup, log=lambda line: None)
+    assert [(row["shape"], row["cache"]) for row in rows] == [
+        ("small", "dynamic"),
+        ("small", "static"),
+        ("smollm2", "dynamic"),
+        ("smollm2", "static"),
+    ]
+    for row in rows:
+        counts = row["parameters"]
+        assert counts["absorbed"] == counts["expanded"] and abs(counts["gqa"] / counts["absorbed"] - 1) < 0.01
+        assert row["decode_ratio"] > 0 and row["absorbed_over_expanded"] > 0
+    small, _, smollm2, _ = rows
     # 6 layers x (latent 4 x 32 + RoPE key 16) float32 values; GQA: 6 x 2 heads x 2 x 32
-    assert row["cache_bytes_per_token"] == {"absorbed": 6 * 144 * 4, "gqa": 6 * 128 * 4}
-    assert row["decode_ratio"] > 0 and row["absorbed_over_expanded"] > 0
-    assert "| 16 |" in (tmp_path / "mla_decode.md").read_text()
+    assert small["cache_bytes_per_token"] == {"absorbed": 6 * 144 * 4, "gqa": 6 * 128 * 4}
+    # 2 layers x (latent 64 + RoPE key 32); GQA-3: 2 x 3 heads x 2 x 64
+    assert smollm2["cache_bytes_per_token"] == {"absorbed": 2 * 96 * 4, "gqa": 2 * 384 * 4}
+    # a static cache holds every position from the start: the same bytes per position
+    assert rows[1]["cache_bytes_per_token"] == small["cache_bytes_per_token"]
+    assert "| smollm2 | static | 16 |" in (tmp_path / "mla_decode.md").read_text()
+
+
+def test_the_decode_clock_counts_steps_after_the_prefill():
+    from hf_attn_zoo.cli import benchmark_script
+
+    latent = benchmark_script("latent")
+    clock = latent.StepClock()
+    model = tiny_model("mla").eval()
+    model.generate(
+        torch.tensor([[3, 4, 5]]),
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=latent.LogitsProcessorList([clock]),
+    )
+    assert len(clock.stamps) == 4 and clock.stamps == sorted(clock.stamps)  # the prefill's token, then 3 steps
