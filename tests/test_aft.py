@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from hf_attn_zoo.models.aft import aft_attend, aft_simple_attend
+
 from conftest import ATOL, left_padded_batch, returned_cache, tiny_model
 
 
@@ -72,3 +74,48 @@ def test_local_state_holds_the_window_only():
     )
     cache = returned_cache(out)
     assert cache.layers[0].state["keys"].shape == (1, 3, 32)  # the last s - 1 keys
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 16])
+def test_simple_kernel_matches_the_chunked_scan(chunk):
+    """`aft_simple_attend` (all chunks at once) against `aft_attend` in float64, with left padding, packed documents,
+    and a state carried from one call into the next."""
+    torch.manual_seed(0)
+    batch, length, width = 3, 11, 8
+    keys, values = torch.randn(batch, length, width) * 3, torch.randn(batch, length, width)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, :4] = False
+    positions = torch.arange(length).expand(batch, -1)
+    expected, expected_state = aft_attend(keys.double(), values.double(), valid, positions, None, 0, None, 5)
+    got, state = aft_simple_attend(keys, values, valid, None, chunk)
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=0)
+    assert torch.equal(got[1, :4], torch.zeros(4, width))
+    for name in ("max", "numerator", "denominator"):
+        scale = torch.exp(state["max"].double() - expected_state["max"])  # the same sums at the state's shift
+        torch.testing.assert_close(state[name].double() * (scale if name != "max" else 1), expected_state[name])
+    first, state = aft_simple_attend(keys[:, :6], values[:, :6], valid[:, :6], None, chunk)
+    rest, _ = aft_simple_attend(keys[:, 6:], values[:, 6:], valid[:, 6:], state, chunk)
+    torch.testing.assert_close(torch.cat((first, rest), 1).double(), expected, atol=ATOL, rtol=0)
+
+    documents = torch.tensor([[0] * 5 + [1] * 6, [0] * 2 + [1] * 7 + [2] * 2, [0] * length])
+    packed, _ = aft_simple_attend(keys, values, None, None, chunk, documents)
+    for row, starts in enumerate(([0, 5, 11], [0, 2, 9, 11], [0, 11])):
+        for start, end in zip(starts, starts[1:]):
+            alone, _ = aft_attend(
+                keys[row : row + 1, start:end].double(),
+                values[row : row + 1, start:end].double(),
+                None,
+                positions[:1, : end - start],
+                None,
+                0,
+                None,
+                5,
+            )
+            torch.testing.assert_close(packed[row : row + 1, start:end].double(), alone, atol=ATOL, rtol=0)
+
+
+def test_simple_kernel_refuses_documents_with_a_state():
+    keys = torch.randn(1, 4, 2)
+    _, state = aft_simple_attend(keys, keys, None, None, 4)
+    with pytest.raises(ValueError, match="cache=None"):
+        aft_simple_attend(keys, keys, None, state, 4, torch.zeros(1, 4, dtype=torch.long))
