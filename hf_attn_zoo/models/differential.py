@@ -90,8 +90,9 @@ class ZooDifferentialConfig(ZooConfig):
         """The layers' configs, each reporting the cached head width: static caches built from the config (the
         ExecuTorch exporter's, `generate`'s with chunked prefill) are allocated 2·head_dim wide, as the layers
         write them. Heterogeneous configs (per-layer overrides) are transformers' own."""
-        layers = ZooConfig.per_layer_config.fget(self)
-        return layers if self.is_heterogeneous else [CachedHeadWidth(self)] * len(layers)
+        if self.is_heterogeneous:
+            return ZooConfig.per_layer_config.fget(self)
+        return [CachedHeadWidth(self)] * self.num_hidden_layers  # no call into the property: torch.compile traces this
 
     @per_layer_config.setter
     def per_layer_config(self, per_layer_config) -> None:

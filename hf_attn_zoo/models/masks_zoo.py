@@ -85,11 +85,11 @@ class TokenMask:
 
 
 def has_padding(attention_mask: torch.Tensor | None) -> bool:
-    """Whether a 2D padding mask marks any token as padding. While exporting, the mask is data the graph cannot
-    branch on: it is then always applied (a mask of ones allows what no mask allows)."""
+    """Whether a 2D padding mask marks any token as padding. While exporting or compiling, the mask is data the graph
+    cannot branch on without breaking: it is then always applied (a mask of ones allows what no mask allows)."""
     if attention_mask is None:
         return False
-    return torch.compiler.is_exporting() or not bool(attention_mask.all())
+    return torch.compiler.is_compiling() or not bool(attention_mask.all())
 
 
 def packed_documents(
