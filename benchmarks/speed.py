@@ -7,14 +7,14 @@ llama     A zoo variant of the MHA family (`--variant gqa`, or mha, mqa, single_
           heads, vocabulary 16384 (8.4M parameters); sizes, batches and lengths are options.
           Writes results/speed_<variant>_vs_llama.md and .json.
 training  Every variant's `small` preset against `LlamaForCausalLM` at the same width, depth, MLP and head counts:
-          training tokens/s at batch 8 x 256, vocabulary 8192 (about 8 minutes on 2 cores).
-          Writes results/training_throughput_<size>.md and .json.
+          training tokens/s at batch 8 x 256 and 1 x 2048, vocabulary 8192, eager and compiled (`torch.compile`,
+          inductor; both models in the same mode). Writes results/training_throughput_<size>.md and .json.
 
 Each sample is the best of a few runs, samples alternate between the two models (A B, B A, ...) and the ratio
 zoo / Llama is the median of the ratios of back-to-back pairs (common.py); above 1.0 the zoo model is faster.
 
     python benchmarks/speed.py llama [--repeats 9] [--variant mqa] [--output_dir benchmarks/results]
-    python benchmarks/speed.py training [--variants gqa mha] [--size small]
+    python benchmarks/speed.py training [--variants gqa mha] [--size small] [--shapes 8x256 1x2048] [--modes eager]
     hf-attn-zoo bench llama ... | hf-attn-zoo bench training ...     (the same, from a source checkout)
 """
 
@@ -172,55 +172,101 @@ def run_llama(setup: SpeedSetup) -> SpeedReport:
     return report
 
 
+MODES = ("eager", "compiled")
+
+
 @dataclass
 class TrainingThroughputSetup(Results):
-    """Training tokens/s of every variant's preset against LlamaForCausalLM of the same width, depth, MLP and heads."""
+    """Training tokens/s of every variant's preset against LlamaForCausalLM of the same width, depth, MLP and heads,
+    eager and compiled, at a short and a long sequence."""
 
     variants: list[str] = field(default_factory=list, metadata={"help": "variants (default: all registered)"})
     size: str = field(default="small", metadata={"help": "preset size: tiny, small or base"})
     vocab_size: int = field(default=8192, metadata={"help": "vocabulary of both models"})
-    batch_size: int = field(default=8, metadata={"help": "training batch size"})
-    seq_len: int = field(default=256, metadata={"help": "training sequence length"})
+    shapes: list[str] = field(
+        default_factory=lambda: ["8x256", "1x2048"],
+        metadata={"help": "BATCHxLENGTH of a training step, each measured (the defaults hold 2,048 tokens each)"},
+    )
+    modes: list[str] = field(
+        default_factory=lambda: list(MODES),
+        metadata={"help": "eager and/or compiled (torch.compile, inductor, one graph per shape; both models alike)"},
+    )
     steps: int = field(default=3, metadata={"help": "timed steps per sample; the fastest counts"})
     repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
 
+    def parsed_shapes(self) -> list[tuple[int, int]]:
+        shapes = []
+        for shape in self.shapes:
+            batch, _, length = shape.partition("x")
+            if not (batch.isdigit() and length.isdigit() and int(batch) > 0 and int(length) > 1):
+                raise SystemExit(f"--shapes {shape}: write BATCHxLENGTH, e.g. 8x256")
+            shapes.append((int(batch), int(length)))
+        unknown = sorted(set(self.modes) - set(MODES))
+        if unknown:
+            raise SystemExit(f"--modes {' '.join(unknown)}: use some of {' '.join(MODES)}")
+        return shapes
+
 
 def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], None] = print) -> list[dict]:
-    """Training tokens/s of each variant's preset and of the same-size Llama, alternating, in this process."""
+    """Training tokens/s of each variant's preset and of the same-size Llama, alternating, in this process: one row
+    per variant, mode and shape. Compiled, each model is compiled once per shape before its first timed sample."""
+    shapes = setup.parsed_shapes()
     rows = []
     for name in setup.variants or list(VARIANTS):
+        variant = get_variant(name)
+        positions = max(variant.preset(setup.size).get("max_position_embeddings", 0), *(n for _, n in shapes))
         torch.manual_seed(0)
-        zoo = get_variant(name).build(setup.size, vocab_size=setup.vocab_size)
+        zoo = variant.build(setup.size, vocab_size=setup.vocab_size, max_position_embeddings=positions)
         llama = LlamaForCausalLM(llama_like(zoo.config))
-        measure = lambda model: training_tokens_per_second(  # noqa: E731
-            model, setup.batch_size, setup.seq_len, setup.steps, setup.vocab_size
-        )
-        samples = alternate({"zoo": zoo, "llama": llama}, {"training": measure}, setup.repeats)["training"]
-        row = {"variant": name, "parameters": sum(p.numel() for p in zoo.parameters())}
-        row.update(compare(samples, "tokens_per_second"))
-        rows.append(row)
-        log(
-            f"{name:15s} {row['tokens_per_second_zoo']:8,.0f} tokens/s, Llama {row['tokens_per_second_llama']:8,.0f}"
-            f" ({row['tokens_per_second_ratio']:.2f}x)"
-        )
+        for mode in setup.modes:
+            models = {"zoo": zoo, "llama": llama}
+            if mode == "compiled":
+                models = {label: torch.compile(model, dynamic=False) for label, model in models.items()}
+            for batch, length in shapes:
+                measure = lambda model, b=batch, n=length: training_tokens_per_second(  # noqa: E731
+                    model, b, n, setup.steps, setup.vocab_size
+                )
+                samples = alternate(models, {"training": measure}, setup.repeats)["training"]
+                row = {"variant": name, "mode": mode, "batch": batch, "seq_len": length}
+                row["parameters"] = sum(p.numel() for p in zoo.parameters())
+                row.update(compare(samples, "tokens_per_second"))
+                rows.append(row)
+                log(
+                    f"{name:15s} {mode:8s} {batch}x{length}: {row['tokens_per_second_zoo']:8,.0f} tokens/s, Llama "
+                    f"{row['tokens_per_second_llama']:8,.0f} ({row['tokens_per_second_ratio']:.2f}x)"
+                )
     return rows
 
 
 def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) -> str:
     lines = [
-        f"Training tokens/s, `{setup.size}` presets (vocabulary {setup.vocab_size}), batch {setup.batch_size} x "
-        f"{setup.seq_len}, forward + backward + AdamW, one process, {torch.get_num_threads()} CPU threads; "
-        f"`LlamaForCausalLM` at the same width, depth, MLP and head counts, alternating in the same process, "
-        f"medians of {setup.repeats} best-of-{setup.steps}-steps samples.",
+        f"Training tokens/s, `{setup.size}` presets (vocabulary {setup.vocab_size}), forward + backward + AdamW, one "
+        f"process, {torch.get_num_threads()} CPU threads; `LlamaForCausalLM` at the same width, depth, MLP and head "
+        "counts, alternating in the same process, in the same mode (compiled: `torch.compile`, inductor, both "
+        f"models); medians of {setup.repeats} best-of-{setup.steps}-steps samples, ratios the medians of "
+        "back-to-back pairs.",
         "",
-        "| variant | parameters | zoo tokens/s | Llama tokens/s | zoo / Llama |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| variant | parameters | batch x T | "
+        + " | ".join(f"{m} zoo | {m} Llama | {m} zoo / Llama" for m in setup.modes)
+        + " |",
+        "| --- | ---: | ---: |" + " ---: | ---: | ---: |" * len(setup.modes),
     ]
+    cells: dict[tuple, dict[str, dict]] = {}
     for row in rows:
-        lines.append(
-            f"| `{row['variant']}` | {row['parameters'] / 1e6:.1f}M | {row['tokens_per_second_zoo']:,.0f} "
-            f"| {row['tokens_per_second_llama']:,.0f} | {row['tokens_per_second_ratio']:.2f} |"
-        )
+        cells.setdefault((row["variant"], row["parameters"], row["batch"], row["seq_len"]), {})[row["mode"]] = row
+    for (variant, parameters, batch, length), by_mode in cells.items():
+        line = f"| `{variant}` | {parameters / 1e6:.1f}M | {batch} x {length} |"
+        for mode in setup.modes:
+            row = by_mode.get(mode)
+            line += (
+                " | | |"
+                if row is None
+                else (
+                    f" {row['tokens_per_second_zoo']:,.0f} | {row['tokens_per_second_llama']:,.0f} | "
+                    f"{row['tokens_per_second_ratio']:.2f} |"
+                )
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

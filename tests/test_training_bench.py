@@ -1,0 +1,39 @@
+"""The training-throughput benchmark (benchmarks/speed.py training): one row per variant, mode and shape against
+Llama of the same size, compiled beside eager, and its options checked before anything is built."""
+
+import json
+
+import pytest
+
+from hf_attn_zoo.cli import benchmark_script
+
+speed = benchmark_script("speed")  # benchmarks/speed.py, imported from the repository
+
+
+def test_rows_per_mode_and_shape_and_one_table_line_per_shape(tmp_path):
+    setup = speed.TrainingThroughputSetup(
+        variants=["aft_simple"],
+        size="tiny",
+        vocab_size=64,
+        shapes=["2x16", "1x40"],
+        modes=["eager"],
+        steps=1,
+        repeats=1,
+        output_dir=str(tmp_path),
+    )
+    rows = speed.run_training_throughput(setup)
+    assert [(r["mode"], r["batch"], r["seq_len"]) for r in rows] == [("eager", 2, 16), ("eager", 1, 40)]
+    assert all(r["tokens_per_second_zoo"] > 0 and r["tokens_per_second_llama"] > 0 for r in rows)
+    table = (tmp_path / "training_throughput_tiny.md").read_text()
+    assert "| `aft_simple` | " in table and "| 1 x 40 |" in table and "eager zoo / Llama" in table
+    assert len(json.loads((tmp_path / "training_throughput_tiny.json").read_text())) == 2
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("shapes", ["256"], "BATCHxLENGTH"), ("shapes", ["0x8"], "BATCHxLENGTH"), ("modes", ["jit"], "--modes jit")],
+)
+def test_bad_options_are_named(field, value, message):
+    setup = speed.TrainingThroughputSetup(**{field: value})
+    with pytest.raises(SystemExit, match=message):
+        speed.training_throughput(setup)
