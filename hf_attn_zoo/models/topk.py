@@ -68,24 +68,24 @@ class ZooTopKAttention(ZooMultiHeadAttention):
             return self._thresholded(query, key, value, attention_mask, output_attentions)
         if keep >= seen_by_last:  # every visible key is kept: plain softmax attention, in eager's order of operations
             return self._dense(query, key, value, attention_mask, output_attentions)
-        batch, heads, key_length, head_dim = value.shape
+        key_length = value.shape[2]
         outputs, weights = [], []
         for start in range(0, query.shape[2], chunk):
             end = min(query.shape[2], start + chunk)
             visible = attention_mask.past_length + end  # keys after the chunk's last query are never seen: skip them
-            scaled_query = query[:, :, start:end] * self.scaling
-            scores = torch.matmul(scaled_query, key[:, :, :visible].transpose(2, 3))  # (B, H, C, K)
-            scores += attention_mask.additive(start, end, scores.dtype, k_end=visible)
-            kept, index = scores.topk(min(keep, visible), dim=-1)  # (B, H, C, k)
-            probabilities = F.softmax(kept, dim=-1, dtype=torch.float32).to(query.dtype)
+            scores = torch.matmul(query[:, :, start:end] * self.scaling, key[:, :, :visible].transpose(2, 3))
+            scores += attention_mask.additive(start, end, scores.dtype, k_end=visible)  # (B, H, C, K)
+            # the k kept scores marked in place and one dense matmul over the chunk's keys: cheaper than gathering
+            # the kept values, and the same sum (a dropped score weighs exp(-inf) = 0)
+            index = scores.topk(min(keep, visible), dim=-1).indices  # (B, H, C, k)
+            kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)  # (B, H, C, K)
+            scores = scores.masked_fill(~kept, float("-inf"))
+            probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
             if output_attentions:  # the full (C, S) matrix, only when asked for
-                weights.append(scores.new_zeros(*scores.shape[:-1], key_length).scatter(-1, index, probabilities))
-                continue
-            # only the kept values: (B, H, S, d) gathered at (B, H, C*k) -> (B, H, C, k, d)
-            chosen = value.gather(2, index.reshape(batch, heads, -1, 1).expand(-1, -1, -1, head_dim))
-            chosen = chosen.view(batch, heads, end - start, index.shape[-1], head_dim)
-            outputs.append(torch.einsum("bhck,bhckd->bhcd", probabilities, chosen))
+                weights.append(F.pad(probabilities, (0, key_length - visible)))
+            else:
+                outputs.append(torch.matmul(probabilities, value[:, :, :visible]))  # (B, H, C, d)
         return weighted_values(outputs, weights, value)
 
     def _thresholded(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
