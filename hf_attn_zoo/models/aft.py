@@ -130,6 +130,32 @@ def _log_sum(exponent: torch.Tensor, values: torch.Tensor, dim: int):
     return (weights * values).sum(dim=dim), weights.sum(dim=dim), scale.masked_fill(empty, float("-inf"))
 
 
+class Pieces:
+    """A `(B, N, ...)` tensor cut once along dim 1 into `carried` entries and then pieces of `size`, read back by
+    ranges. Slicing the whole tensor once per chunk would give each slice's backward a gradient as large as the
+    whole tensor (O(T²/C) work over a sequence); a range read from pieces costs the pieces it touches."""
+
+    def __init__(self, tensor: torch.Tensor, carried: int, size: int | None) -> None:
+        if size is None:  # one piece: while exporting, the length is symbolic and there is one chunk
+            self.pieces, self.starts = (tensor,), [0]
+            return
+        sizes = ([carried] if carried else []) + [size] * ((tensor.shape[1] - carried) // size)
+        if sum(sizes) < tensor.shape[1]:
+            sizes.append(tensor.shape[1] - sum(sizes))
+        self.pieces = tensor.split(sizes, dim=1)
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+
+    def __getitem__(self, span: slice) -> torch.Tensor:
+        if len(self.pieces) == 1:
+            return self.pieces[0][:, span]
+        parts = [
+            piece[:, max(span.start - start, 0) : span.stop - start]
+            for start, piece in zip(self.starts, self.pieces)
+            if start < span.stop and span.start < start + piece.shape[1]
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def aft_attend(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -183,6 +209,8 @@ def aft_attend(
     all_positions = torch.cat((state["positions"], positions), dim=1)
     all_valid = torch.cat((state["valid"], valid), dim=1)
     carried = state["keys"].shape[1]
+    exporting = torch.compiler.is_exporting()
+    key_pieces, value_pieces = (Pieces(x, carried, None if exporting else chunk) for x in (all_keys, all_values))
     folded = 0  # entries before this one are in (running_max, numerator, denominator)
     folded_document = None if documents is None else documents[:, 0]  # (B,): the document the folded sums hold
 
@@ -198,7 +226,6 @@ def aft_attend(
 
     # A graph cannot loop or branch over a dynamic length: while exporting, one chunk of every query, exact (O(T²·d)
     # memory), and no folding (the state keeps every key, which later calls read as history).
-    exporting = torch.compiler.is_exporting()
     chunk = length if exporting else chunk
     outputs = []
     for start in (0,) if exporting else range(0, length, chunk):
@@ -212,7 +239,7 @@ def aft_attend(
         parts = [(numerator[:, None], denominator[:, None], folded_scale)]  # folded keys
         if first > folded:  # history: [folded, first), all before every query of the chunk
             history = slice(folded, first)
-            history_keys, reachable = all_keys[:, history], all_valid[:, history]  # (B, H, d), (B, H)
+            history_keys, reachable = key_pieces[history], all_valid[:, history]  # (B, H, d), (B, H)
             w = in_reach(queries, history)  # (B, C, H)
             if documents is not None:  # only the first query's document reaches back past the chunk
                 first_document = query_documents[:, :1]  # (B, 1)
@@ -226,15 +253,15 @@ def aft_attend(
             row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
             weights = torch.exp(w - row_max)  # (B, C, H), <= 1
             exps = torch.exp(history_keys - channel_max)  # (B, H, d), <= 1
-            history_numerator, history_denominator = weights @ (exps * all_values[:, history]), weights @ exps
+            history_numerator, history_denominator = weights @ (exps * value_pieces[history]), weights @ exps
             scale = (row_max + channel_max).masked_fill(history_denominator == 0, float("-inf"))
             parts.append((history_numerator, history_denominator, scale))
         causal = torch.ones(last - first, last - first, dtype=torch.bool, device=keys.device).tril()[None]  # (1, C, C)
         if documents is not None:
             causal = causal & (query_documents[:, :, None] == query_documents[:, None, :])  # (B, C, C)
-        exponent = in_reach(queries, queries)[..., None] + all_keys[:, None, queries]  # (B, C, C, d)
+        exponent = in_reach(queries, queries)[..., None] + key_pieces[queries][:, None]  # (B, C, C, d)
         exponent = exponent.masked_fill(~causal[..., None], float("-inf"))
-        parts.append(_log_sum(exponent, all_values[:, None, queries], dim=2))
+        parts.append(_log_sum(exponent, value_pieces[queries][:, None], dim=2))
         # every part at the largest scale of its (row, channel)
         top = torch.stack([torch.broadcast_to(scale, parts[-1][2].shape) for _, _, scale in parts]).amax(0)
         row_numerator = sum(n * torch.exp(scale - top) for n, _, scale in parts)
@@ -245,7 +272,7 @@ def aft_attend(
             fold_to = max(folded, last - max(window - 1, 0))
             if fold_to > folded:
                 leaving = slice(folded, fold_to)
-                leaving_keys = all_keys[:, leaving]  # (B, F, d)
+                leaving_keys = key_pieces[leaving]  # (B, F, d)
                 if documents is not None:  # the sums go on with the document of the last key folded
                     last_document = documents[:, fold_to - 1]  # (B,)
                     same = folded_document == last_document  # (B,)
@@ -255,7 +282,7 @@ def aft_attend(
                     outside = documents[:, leaving] != last_document[:, None]  # (B, F)
                     leaving_keys = leaving_keys.masked_fill(outside[..., None], float("-inf"))
                     folded_document = last_document
-                part = _log_sum(leaving_keys, all_values[:, leaving], dim=1)
+                part = _log_sum(leaving_keys, value_pieces[leaving], dim=1)
                 new_max = torch.maximum(running_max, part[2]).detach()
                 numerator = numerator * torch.exp(running_max - new_max) + part[0] * torch.exp(part[2] - new_max)
                 denominator = denominator * torch.exp(running_max - new_max) + part[1] * torch.exp(part[2] - new_max)
