@@ -114,7 +114,7 @@ class ZooAFTSimpleConfig(ZooAFTConfig):
     cache_per_token = "0 (state: 3·L·d)"
     aft_mode = "simple"
 
-    query_chunk_size: int = 4  # aft_simple_attend's chunk: fastest of 2, 4, 8 and 16 in training on CPU (measured)
+    query_chunk_size: int = 4  # aft_simple_attend's chunk: fastest of 1, 2, 4 and 8 in training on CPU (measured)
 
 
 Bias = Callable[[torch.LongTensor, torch.LongTensor], torch.Tensor]
@@ -306,7 +306,7 @@ def _running_totals(
     own max, starting afresh at every element where `restarts` `(B, N)` is True (a new document).
 
     A segmented Hillis-Steele scan: after the round with stride s each element holds the combination of itself and
-    the s - 1... 2s - 1 elements before it, so log2(N) rounds of whole-tensor operations replace N small steps.
+    up to 2s - 1 elements before it, so log2(N) rounds of whole-tensor operations replace N small steps.
     Element i only ever combines elements before it: nothing depends on a later chunk. Combining a (max m, sums n)
     with a later one at m' takes the larger max M and rescales both by exp(m - M) <= 1; a later element that
     restarts drops the earlier one."""
@@ -342,12 +342,12 @@ def aft_simple_attend(
     - inside a chunk, every (query, key) pair at once: `(B, N, C, C, d)` weights exp(k_t' - m_t), where m_t is the max
       over the keys query t reaches (its own and earlier ones of its document in the chunk), so each weight is <= 1
       and a masked pair is exp(-inf) = 0 exactly;
-    - across chunks, a running (max, sum exp·v, sum exp) per channel over whole chunks, one small step per chunk. A
-      chunk's totals are its last query's sums (that query reaches every key of its chunk and document), shifted by
-      that query's max. Query t reads the totals of earlier chunks only.
+    - across chunks, a running (max, sum exp·v, sum exp) per channel over whole chunks, by a scan in log2(N) rounds
+      (`_running_totals`). A chunk's totals are its last query's sums (that query reaches every key of its chunk and
+      document), shifted by that query's max. Query t reads the totals of earlier chunks only.
     The two meet at the larger of their maxima. Nothing a query reads depends on a later token, not even in rounding:
     its in-chunk sum adds exact zeros for later keys, and the running totals stop before its chunk. O(T·C·d) work in a
-    few large operations and O(T/C) small ones; C = 4 is fastest on CPU (measured against 2, 8 and 16).
+    few large operations and O(T/C) small ones; C = 4 was fastest in training on CPU (measured against 1, 2 and 8).
 
     Padding keys are set to NO_KEY_YET (finite, so no gradient meets inf - inf) and weigh nothing against any real
     key; padded outputs are 0. `documents` `(B, T)` (packed rows, no state) restricts each query to its document:
@@ -383,9 +383,12 @@ def aft_simple_attend(
     denominator = weights.sum(dim=3)  # (B, N, C, d)
 
     # across chunks: element 0 is the state carried in, element i + 1 chunk i's totals (its last query's sums)
-    if state is None:
-        carried = (keys.new_full((batch, 1, width), NO_KEY_YET), keys.new_zeros(batch, 2, width).split(1, dim=1))
-        carried = (carried[0], *carried[1])
+    if state is None:  # nothing yet: max NO_KEY_YET, sums 0
+        carried = (
+            keys.new_full((batch, 1, width), NO_KEY_YET),
+            keys.new_zeros(batch, 1, width),
+            keys.new_zeros(batch, 1, width),
+        )
     else:
         carried = tuple(state[name][:, None] for name in ("max", "numerator", "denominator"))
     ends_in = torch.cat((documents[:, :1, 0], documents[:, :, -1]), dim=1)  # (B, N + 1): the document each holds
