@@ -347,7 +347,8 @@ def aft_simple_attend(
       document), shifted by that query's max. Query t reads the totals of earlier chunks only.
     The two meet at the larger of their maxima. Nothing a query reads depends on a later token, not even in rounding:
     its in-chunk sum adds exact zeros for later keys, and the running totals stop before its chunk. O(T·C·d) work in a
-    few large operations and O(T/C) small ones; C = 4 was fastest in training on CPU (measured against 1, 2 and 8).
+    few large operations, plus O((T/C)·d·log(T/C)) in the scan; C = 4 was fastest in training on CPU (measured
+    against 1, 2 and 8).
 
     Padding keys are set to NO_KEY_YET (finite, so no gradient meets inf - inf) and weigh nothing against any real
     key; padded outputs are 0. `documents` `(B, T)` (packed rows, no state) restricts each query to its document:
