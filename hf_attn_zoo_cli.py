@@ -228,6 +228,7 @@ BENCHMARK_SCRIPTS = {
     "convert-demo": ("conversion", "the demo's MHA model to GQA/MQA by every pooling method, before uptraining"),
     "convert-smollm2": ("conversion", "SmolLM2-135M to MQA by every pooling method: perplexity, conversion time"),
     "sharded": ("sharded", "FSDP2 and ZeRO-2/3 against DDP and one process: losses, tokens/s, memory per process"),
+    "quality": ("quality", "the quality board: every variant under one recipe, perplexity vs cache and speed, seeds"),
 }
 
 # the script's own parser answers --help, with the benchmark's options

@@ -1,0 +1,670 @@
+"""The quality board: every registered variant trained under one recipe, quality beside cache and speed, with noise.
+
+One corpus (the State of the Union addresses: up to 2000 train, 2001-2010 validate, 2011-2021 test), one byte-level
+BPE trained on the training addresses alone, one recipe (configs/train/quality_board.yaml: optimizer, schedule,
+batch, sequence length), one token budget, one width, depth and head count. A *cell* is one (variant, position type,
+seed): every variant at its default position type, and `--position_variant` (gqa) with each of `--positions`.
+
+Parameters are matched by the MLP width: each cell's `intermediate_size` is solved so that its non-embedding
+parameters equal those of `--reference` (mha) at its default MLP, to the nearest multiple of 8; a variant whose
+attention alone would need a negative MLP, or that lands more than 10% off, is refused naming it. Each variant's own
+fields (window, k, bias rank, ...) come from its `small` preset, with `--fields` on top for every variant whose config
+has them (the default narrows the sliding window to 64, a quarter of the training length, as the preset's 256 is of
+its 1,024 positions; at 256 it would see every training token and train exactly as gqa).
+
+Positions: a model is built for the longest scored length (`--lengths`) unless that changes its parameters (learned
+positions, AFT's position bias, Linformer's E and F are tables over positions): those are built for the training
+length, and a longer window is refused with the model's own reason, recorded in the row.
+
+Per cell (one JSON row in `<output_dir>/board.json`, written the moment the cell ends): test perplexity and bits per
+byte (the project's harness, windows of the training length every half window), the same on Shakespeare (the first
+`--ood_chars_per_work` characters of each of the 42 works: out of domain), the extrapolation scores at every length
+(windows of L every L/2), parameters, training tokens/s and wall time, and the cache bytes per token after
+`--cache_tokens` tokens of prefill (measured on the tensors the cache holds, on the cell's architecture).
+
+A rerun skips finished cells (kill the board, rerun: only unfinished cells train); a cell that fails is recorded with
+its error, the board goes on, and a rerun tries it again. board.json remembers the options that define the board
+(budget, shape, recipe, ...); a rerun with others is refused rather than mixed in. The table (board.md), the claims
+checked against the papers and the plots (frontier.png, walltime.png, extrapolation.png) are rewritten after every
+cell. Every figure is a mean over seeds with its sample standard deviation; "A beats B" only where the seeds' ranges
+do not overlap, "within noise" otherwise.
+
+    python benchmarks/quality.py [--variants gqa mqa] [--positions rope alibi] [--seeds 0 1 2] [--budget 2000000]
+    hf-attn-zoo bench quality ...     (the same, from a source checkout)
+
+Data: `--data_dir` (default data/sotu in the checkout) and `--ood_dir` (data/shakespeare), fetched by the README's
+commands ("Which variant?").
+"""
+
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from common import FOLDER, REPOSITORY, Benchmark, Results, main
+from scaling import cache_nbytes
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from uptraining import split_by_year
+
+from hf_attn_zoo.checkpoints import write_atomically
+from hf_attn_zoo.data import train_byte_level_bpe
+from hf_attn_zoo.errors import one_line
+from hf_attn_zoo.evaluation.perplexity import score_texts
+from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.models import POSITION_EMBEDDING_TYPES, VARIANTS, get_variant
+from hf_attn_zoo.models.compat_zoo import returned_cache
+from hf_attn_zoo.training import load_recipe, non_embedding_parameters, run_training
+
+DATA = REPOSITORY / "data"
+MLP_MULTIPLE = 8  # intermediate sizes are rounded to this
+MATCH_TOLERANCE = 0.10
+
+
+@dataclass
+class QualitySetup(Results):
+    """Every registered variant trained under one recipe: quality, cache and speed side by side, over seeds."""
+
+    output_dir: str = field(
+        default=str(FOLDER / "quality" / "results"), metadata={"help": "board.json, board.md, plots, tokenizer"}
+    )
+    data_dir: str = field(default=str(DATA / "sotu"), metadata={"help": "State of the Union folder (YEAR_*.txt)"})
+    ood_dir: str = field(
+        default=str(DATA / "shakespeare"), metadata={"help": "Shakespeare's works (*.txt): the out-of-domain test"}
+    )
+    recipe: str = field(
+        default=str(REPOSITORY / "configs" / "train" / "quality_board.yaml"), metadata={"help": "the one recipe"}
+    )
+    variants: list[str] = field(
+        default_factory=lambda: list(VARIANTS), metadata={"help": "variants, each at its default position type"}
+    )
+    positions: list[str] = field(
+        default_factory=lambda: list(POSITION_EMBEDDING_TYPES),
+        metadata={"help": "position types trained on --position_variant (its default alone: no sweep)"},
+    )
+    position_variant: str = field(default="gqa", metadata={"help": "the variant the position sweep trains"})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "one cell per seed"})
+    budget: int = field(default=2_000_000, metadata={"help": "training tokens per cell"})
+    hidden_size: int = field(default=128, metadata={"help": "width of every cell"})
+    num_hidden_layers: int = field(default=4, metadata={"help": "depth of every cell"})
+    num_attention_heads: int = field(
+        default=8, metadata={"help": "query heads of the variants whose small preset sets a head count"}
+    )
+    fields: str = field(
+        default='{"sliding_window": 64}',
+        metadata={"help": "JSON config fields over the small presets, for every variant whose config has them"},
+    )
+    reference: str = field(
+        default="mha", metadata={"help": "the variant whose non-embedding parameters every cell matches"}
+    )
+    lengths: list[int] = field(
+        default_factory=lambda: [256, 512, 1024, 2048], metadata={"help": "extrapolation: window lengths scored"}
+    )
+    ood_chars_per_work: int = field(
+        default=10_000, metadata={"help": "characters of each Shakespeare work scored (from its start)"}
+    )
+    cache_tokens: int = field(default=1024, metadata={"help": "prefill length the cache is measured after"})
+    overrides: list[str] = field(
+        default_factory=list,
+        metadata={"help": "recipe overrides for every cell, e.g. --overrides --training.bf16 true (after the rest)"},
+    )
+    keep_models: bool = field(default=False, metadata={"help": "keep each cell's final model in <output_dir>/cells"})
+
+    # the options that define what a row means: a board is resumed only with the same ones
+    DEFINING = (
+        "budget",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "fields",
+        "reference",
+        "lengths",
+        "ood_chars_per_work",
+        "cache_tokens",
+        "overrides",
+    )
+
+    def defining(self) -> dict:
+        recipe = Path(self.recipe)
+        return {
+            **{name: getattr(self, name) for name in self.DEFINING},
+            "recipe": json.loads(json.dumps(_read_yaml(recipe))) if recipe.is_file() else str(recipe),
+        }
+
+    def extra_fields(self) -> dict:
+        try:
+            extra = json.loads(self.fields)
+        except ValueError as error:
+            raise SystemExit(f"--fields {self.fields!r} is not JSON: {error}") from None
+        if not isinstance(extra, dict):
+            raise SystemExit(f"--fields {self.fields!r}: give a JSON mapping of config fields")
+        return extra
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+@dataclass(frozen=True)
+class Cell:
+    variant: str
+    positions: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}-{self.positions}-seed{self.seed}"
+
+    @property
+    def configuration(self) -> tuple[str, str]:
+        return self.variant, self.positions
+
+
+def default_positions(variant: str) -> str:
+    return get_variant(variant).config_class().position_embedding_type
+
+
+def configurations(setup: QualitySetup) -> list[tuple[str, str]]:
+    """(variant, position type) pairs: every variant at its default, then the position sweep's others."""
+    unknown = [name for name in [*setup.variants, setup.position_variant, setup.reference] if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {' '.join(unknown)}: registered are {' '.join(VARIANTS)}")
+    supported = get_variant(setup.position_variant).position_types
+    refused = [p for p in setup.positions if p not in supported]
+    if refused:
+        raise SystemExit(f"--positions {' '.join(refused)}: {setup.position_variant} supports {' '.join(supported)}")
+    pairs = [(variant, default_positions(variant)) for variant in setup.variants]
+    return pairs + [(setup.position_variant, p) for p in setup.positions if (setup.position_variant, p) not in pairs]
+
+
+def plan(setup: QualitySetup) -> list[Cell]:
+    """Seed-major: a board stopped early has every configuration at its first seeds."""
+    return [Cell(variant, positions, seed) for seed in setup.seeds for variant, positions in configurations(setup)]
+
+
+def non_embedding_count(variant: str, fields: dict) -> int:
+    """Non-embedding parameters of a model of `fields`, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = get_variant(variant).build("small", **fields)
+    return non_embedding_parameters(model)
+
+
+def base_fields(setup: QualitySetup, variant: str, positions: str, vocab_size: int, block_size: int) -> dict:
+    """The config fields of a cell before the MLP is matched: the board's shape, the position type, `--fields` where
+    the variant has them, and the positions the model is built for (see the module's docstring)."""
+    entry = get_variant(variant)
+    fields = {"hidden_size": setup.hidden_size, "num_hidden_layers": setup.num_hidden_layers, "vocab_size": vocab_size}
+    if "num_attention_heads" in entry.preset("small"):
+        fields["num_attention_heads"] = setup.num_attention_heads
+    defaults = entry.config_class()
+    fields |= {name: value for name, value in setup.extra_fields().items() if hasattr(defaults, name)}
+    fields["position_embedding_type"] = positions
+    longest = max([block_size, *setup.lengths])
+    sized_by_length = non_embedding_count(variant, {**fields, "max_position_embeddings": block_size}) != (
+        non_embedding_count(variant, {**fields, "max_position_embeddings": longest})
+    )
+    fields["max_position_embeddings"] = block_size if sized_by_length else longest
+    return fields
+
+
+def match_parameters(variant: str, fields: dict, target: int) -> tuple[dict, int]:
+    """`fields` with the `intermediate_size` that brings the non-embedding parameters closest to `target` (they are
+    linear in it), and the count reached; `ValueError` naming the variant where no MLP width gets within 10%."""
+    start = get_variant(variant).config("small", **fields).intermediate_size
+    at_start = non_embedding_count(variant, {**fields, "intermediate_size": start})
+    per_unit = (non_embedding_count(variant, {**fields, "intermediate_size": start + 64}) - at_start) / 64
+    width = round((start + (target - at_start) / per_unit) / MLP_MULTIPLE) * MLP_MULTIPLE
+    if width < MLP_MULTIPLE:
+        raise ValueError(
+            f"{variant}: its attention alone has more parameters than the reference's whole layers ({at_start:,} at "
+            f"an MLP of {start}, target {target:,}); pick a larger --reference or a smaller variant config"
+        )
+    matched = {**fields, "intermediate_size": width}
+    count = non_embedding_count(variant, matched)
+    if abs(count / target - 1) > MATCH_TOLERANCE:
+        raise ValueError(f"{variant}: {count:,} non-embedding parameters, more than 10% from the target {target:,}")
+    return matched, count
+
+
+def cell_fields(setup: QualitySetup, cell: Cell, vocab_size: int, block_size: int) -> tuple[dict, int, int]:
+    """(config fields, non-embedding parameters, the target they match) of a cell."""
+    reference = base_fields(setup, setup.reference, default_positions(setup.reference), vocab_size, block_size)
+    target = non_embedding_count(setup.reference, reference)
+    fields = base_fields(setup, cell.variant, cell.positions, vocab_size, block_size)
+    matched, count = match_parameters(cell.variant, fields, target)
+    return matched, count, target
+
+
+def cache_bytes_per_token(model, tokens: int) -> float:
+    """Bytes the cache holds per token after a prefill of `tokens` (random ids), on the model's architecture; where
+    its positions end sooner, on a fresh copy built for `tokens` positions (the cache does not depend on weights)."""
+    config = model.config
+    if config.max_position_embeddings < tokens:
+        config = type(config).from_dict({**config.to_dict(), "max_position_embeddings": tokens})
+        model = type(model)._from_config(config)
+    input_ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = returned_cache(model.eval()(input_ids, use_cache=True))
+    return cache_nbytes(cache) / tokens
+
+
+def read_texts(files: list[str]) -> list[str]:
+    return [Path(f).read_text(encoding="utf-8") for f in files]
+
+
+def ood_texts(ood_dir: str, chars: int) -> list[str]:
+    """The first `chars` characters of every work (cut at a line end), in file-name order."""
+    files = sorted(Path(ood_dir).glob("*.txt"))
+    if not files:
+        raise SystemExit(f"no texts (*.txt) in --ood_dir {ood_dir}: fetch Shakespeare's works there (README)")
+    texts = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        cut = text.rfind("\n", 0, chars)
+        texts.append(text[: cut if cut > 0 else chars])
+    return texts
+
+
+class Board:
+    """board.json: the defining options and one row per cell, rewritten atomically after every cell."""
+
+    def __init__(self, setup: QualitySetup) -> None:
+        self.folder = Path(setup.output_dir)
+        self.path = self.folder / "board.json"
+        self.defining = setup.defining()
+        self.rows: list[dict] = []
+        if self.path.is_file():
+            stored = json.loads(self.path.read_text())
+            if stored["defining"] != self.defining:
+                changed = sorted(k for k in self.defining if stored["defining"].get(k) != self.defining[k])
+                was = "; ".join(f"{k}={stored['defining'].get(k)}" for k in changed)
+                raise SystemExit(
+                    f"{self.path} was trained with other options ({was}); rerun with those to resume it, or give "
+                    f"another --output_dir"
+                )
+            self.rows = stored["rows"]
+
+    def finished(self, cell: Cell) -> bool:
+        return any(row["cell"] == cell.name and "error" not in row for row in self.rows)
+
+    def record(self, row: dict) -> None:
+        self.rows = [r for r in self.rows if r["cell"] != row["cell"]] + [row]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")
+
+
+def board_tokenizer(setup: QualitySetup, train_files: list[str], vocab_size: int):
+    """The board's one tokenizer: a byte-level BPE trained on the training addresses, kept in the output folder (a
+    resumed board must tokenize as it began)."""
+    folder = Path(setup.output_dir) / "tokenizer"
+    if not folder.is_dir():
+        tokenizer = train_byte_level_bpe(read_texts(train_files), vocab_size)
+        tokenizer.save_pretrained(folder)
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
+def score(model, tokenizer, texts: list[str], length: int) -> dict:
+    result = score_texts(model, tokenizer, texts, max_length=length, stride=max(1, length // 2), batch_size=8)
+    return {"perplexity": round(result.perplexity, 4), "bits_per_byte": round(result.bits_per_byte, 5)}
+
+
+def run_cell(setup: QualitySetup, cell: Cell, data: dict) -> dict:
+    """Train one cell by the recipe, score it, and return its row."""
+    start = time.perf_counter()
+    _, data_args, training_args = load_recipe(setup.recipe, setup.overrides)
+    fields, parameters, target = cell_fields(setup, cell, len(data["tokenizer"]), data_args.block_size)
+    run_dir = Path(setup.output_dir) / "cells" / cell.name
+    tokens_per_step = (
+        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * data_args.block_size
+    )
+    steps = max(1, math.ceil(setup.budget / tokens_per_step))
+    overrides = ["--model.variant", cell.variant, "--model.config", json.dumps(fields)]
+    overrides += ["--data.train_files", *data["train"], "--data.validation_files", *data["validation"]]
+    overrides += ["--data.tokenizer", str(data["tokenizer_dir"]), "--training.max_steps", str(steps)]
+    overrides += ["--training.seed", str(cell.seed), "--training.output_dir", str(run_dir), *setup.overrides]
+    summary = run_training(*load_recipe(setup.recipe, overrides))
+    final = Path(summary["final_model"])
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    tokenizer = data["tokenizer"]
+    block = data_args.block_size
+    extrapolation = {}
+    for length in setup.lengths:
+        try:
+            extrapolation[str(length)] = score(model, tokenizer, data["test"], length)
+        except ValueError as error:  # beyond a table of positions: the model's (or the harness's) reason
+            extrapolation[str(length)] = {"refused": one_line(error)}
+    test = extrapolation.get(str(block)) or score(model, tokenizer, data["test"], block)
+    row = {
+        "cell": cell.name,
+        "variant": cell.variant,
+        "positions": cell.positions,
+        "seed": cell.seed,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "non_embedding_parameters": parameters,
+        "reference_parameters": target,
+        "intermediate_size": fields["intermediate_size"],
+        "max_position_embeddings": fields["max_position_embeddings"],
+        "train_tokens": summary["train_tokens"],
+        "steps": summary["steps"],
+        "train_seconds": summary["seconds"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "validation_perplexity": summary["validation_perplexity"],
+        "test_perplexity": test["perplexity"],
+        "test_bits_per_byte": test["bits_per_byte"],
+        **{f"ood_{k}": v for k, v in score(model, tokenizer, data["ood"], block).items()},
+        "extrapolation": extrapolation,
+        "cache_bytes_per_token": cache_bytes_per_token(model, setup.cache_tokens),
+    }
+    if not setup.keep_models:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {**row, "cell_seconds": round(time.perf_counter() - start, 1)}
+
+
+def run_board(setup: QualitySetup, log: Callable[[str], None] = print) -> list[dict]:
+    """Train and score every unfinished cell, saving each at once; then the table, claims and plots."""
+    cells = plan(setup)
+    if setup.budget < 1:
+        raise SystemExit(f"--budget {setup.budget}: give the training tokens per cell (>= 1)")
+    splits = split_by_year(setup.data_dir)
+    board = Board(setup)
+    _, data_args, _ = load_recipe(setup.recipe, setup.overrides)
+    tokenizer_dir, tokenizer = board_tokenizer(setup, splits["train"], data_args.vocab_size)
+    log(f"{'variant':15s} {'positions':11s} {'MLP':>5s} {'non-embedding parameters':>25s}")
+    for variant, positions in configurations(setup):  # the matching printed, and an unmatchable board refused at once
+        try:
+            fields, count, target = cell_fields(
+                setup, Cell(variant, positions, 0), len(tokenizer), data_args.block_size
+            )
+        except ValueError as error:
+            raise SystemExit(one_line(error)) from None
+        log(f"{variant:15s} {positions:11s} {fields['intermediate_size']:5d} {count:15,d} ({count / target - 1:+.1%})")
+    data = {
+        **splits,
+        "tokenizer_dir": tokenizer_dir,
+        "tokenizer": tokenizer,
+        "test": read_texts(splits["test"]),
+        "ood": ood_texts(setup.ood_dir, setup.ood_chars_per_work),
+    }
+    todo = [cell for cell in cells if not board.finished(cell)]
+    log(f"{len(cells) - len(todo)} of {len(cells)} cells finished already; {len(todo)} to train")
+    with tqdm(total=len(todo), desc="quality board", unit="cell", file=sys.stdout) as bar:
+        for cell in todo:
+            bar.set_postfix_str(cell.name)
+            try:
+                row = run_cell(setup, cell, data)
+            except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
+                row = {"cell": cell.name, "variant": cell.variant, "positions": cell.positions, "seed": cell.seed}
+                row["error"] = f"{type(error).__name__}: {one_line(error)}"
+            board.record(row)
+            bar.update()
+            log(
+                f"{cell.name}: "
+                + (
+                    row["error"]
+                    if "error" in row
+                    else f"test perplexity {row['test_perplexity']:.2f}, {row['cell_seconds'] / 60:.1f} min"
+                )
+            )
+            write_board(setup, board.rows, log=lambda _: None)
+    write_board(setup, board.rows, log=log)
+    return board.rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregation over seeds, the tables, the claims and the plots
+
+
+def mean_spread(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def figure(values: list[float], digits: int = 2) -> str:
+    if not values:
+        return ""
+    mean, spread = mean_spread(values)
+    return f"{mean:.{digits}f} ± {spread:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
+
+
+def groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Finished rows by (variant, positions), in the board's order."""
+    grouped: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        if "error" not in row:
+            grouped.setdefault((row["variant"], row["positions"]), []).append(row)
+    return grouped
+
+
+def compare(a: list[float], b: list[float]) -> int:
+    """-1 if every seed of `a` is below every seed of `b` (lower is better), 1 if above, 0 where the ranges overlap
+    (within noise)."""
+    if not a or not b:
+        return 0
+    if max(a) < min(b):
+        return -1
+    if min(a) > max(b):
+        return 1
+    return 0
+
+
+def values(grouped: dict, key: tuple[str, str], metric: str = "test_perplexity") -> list[float]:
+    return [row[metric] for row in grouped.get(key, [])]
+
+
+def extrapolated(grouped: dict, key: tuple[str, str], length: int) -> list[float] | str:
+    """Perplexities at `length` over seeds, or the reason it was refused."""
+    scores = [row["extrapolation"].get(str(length), {}) for row in grouped.get(key, [])]
+    refused = [s["refused"] for s in scores if "refused" in s]
+    return refused[0] if refused else [s["perplexity"] for s in scores if "perplexity" in s]
+
+
+def reads_longer(grouped: dict, key: tuple[str, str], trained: int, long: int) -> tuple[bool | None, str]:
+    """Whether a configuration scores windows of `long` tokens no worse than windows of `trained` beyond noise (None:
+    not measured), and the numbers as text."""
+    if key not in grouped:
+        return None, f"{key[1]} not measured"
+    at_long, at_trained = extrapolated(grouped, key, long), extrapolated(grouped, key, trained)
+    if isinstance(at_long, str):
+        return False, f"{key[1]} refused at {long} ({at_long})"
+    reads = compare(at_long, at_trained) <= 0
+    worse = "no worse than" if reads else "worse than"
+    return reads, f"{key[1]} {figure(at_long)} at {long}, {worse} {figure(at_trained)} at {trained}"
+
+
+def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
+    """(claim, verdict with the numbers) for each claim of the papers the board checks: holds, does not hold at this
+    scale, within noise, or not measured."""
+    grouped = groups(rows)
+
+    def key(variant: str) -> tuple[str, str]:
+        return variant, default_positions(variant)
+
+    def show(k: tuple[str, str]) -> str:
+        return f"{k[0]} ({k[1]}) {figure(values(grouped, k))}"
+
+    def missing(*keys: tuple[str, str]) -> str | None:
+        absent = [f"{k[0]} ({k[1]})" for k in keys if k not in grouped]
+        return f"not measured (no finished cell of {', '.join(absent)})" if absent else None
+
+    def beats(a: tuple[str, str], b: tuple[str, str]) -> str:
+        verdict = {-1: "holds", 1: "does not hold at this scale", 0: "within noise"}
+        return f"{verdict[compare(values(grouped, a), values(grouped, b))]}: {show(a)} against {show(b)}"
+
+    mha, single, mqa, gqa = key("mha"), key("single_head"), key("mqa"), key("gqa")
+    between = missing(mha, gqa, mqa)
+    if between is None:
+        means = [statistics.fmean(values(grouped, k)) for k in (mha, gqa, mqa)]
+        where = "between them" if min(means[0], means[2]) <= means[1] <= max(means[0], means[2]) else "outside"
+        between = f"{beats(mha, mqa)}; GQA's mean lies {where}: {show(gqa)}"
+    trained, long = min(setup.lengths), max(setup.lengths)
+    pv = setup.position_variant
+    alibi, alibi_text = reads_longer(grouped, (pv, "alibi"), trained, long)
+    others = [reads_longer(grouped, (pv, p), trained, long) for p in ("sinusoidal", "learned")]
+    if alibi is None or any(reads is None for reads, _ in others):
+        extrapolation = "not measured"
+    else:
+        extrapolation = "holds" if alibi and not any(reads for reads, _ in others) else "does not hold at this scale"
+    extrapolation += ": " + "; ".join([alibi_text, *(text for _, text in others)])
+    linformer = key("linformer")
+    close = missing(linformer, gqa)
+    if close is None:
+        gap = statistics.fmean(values(grouped, linformer)) / statistics.fmean(values(grouped, gqa)) - 1
+        near = compare(values(grouped, linformer), values(grouped, gqa)) <= 0 or gap <= 0.05
+        verdict = "holds" if near else "does not hold at this scale"
+        close = f"{verdict}: {show(linformer)} against {show(gqa)}, {gap:+.1%}"
+    return [
+        (
+            "Multi-head attention beats one head of the same width (Vaswani et al. 2017)",
+            missing(mha, single) or beats(mha, single),
+        ),
+        ("MQA loses quality against MHA, and GQA sits between them (Ainslie et al. 2023)", between),
+        (
+            f"ALiBi reads sequences longer than it was trained on ({trained} -> {long} tokens), sinusoidal and "
+            "learned positions do not (Press et al. 2022)",
+            extrapolation,
+        ),
+        (
+            "AFT-local beats AFT-simple (Zhai et al. 2021)",
+            missing(key("aft_local"), key("aft_simple")) or beats(key("aft_local"), key("aft_simple")),
+        ),
+        (
+            "Linformer comes close to full attention (Wang et al. 2020): within noise or at most 5% above gqa of the "
+            "same heads",
+            close,
+        ),
+    ]
+
+
+def board_table(rows: list[dict], setup: QualitySetup) -> str:
+    grouped = groups(rows)
+    failed = [row for row in rows if "error" in row]
+    lines = [
+        f"Quality board: every cell trained on {setup.budget / 1e6:g}M tokens of the State of the Union addresses "
+        f"(up to 2000) by configs/train/quality_board.yaml at {setup.num_hidden_layers} x {setup.hidden_size}; "
+        f"non-embedding parameters matched to {setup.reference}'s through the MLP width. Test: 2011-2021 addresses; "
+        "out of domain: Shakespeare. Mean ± standard deviation over the seeds (n).",
+        "",
+        "| variant | positions | n | non-emb. params | MLP | test ppl | test bits/byte | Shakespeare ppl | "
+        "cache B/token | train tokens/s | train min |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (variant, positions), cells in grouped.items():
+        first = cells[0]
+        lines.append(
+            f"| {variant} | {positions} | {len(cells)} | {first['non_embedding_parameters']:,} | "
+            f"{first['intermediate_size']} | {figure(values(grouped, (variant, positions)))} | "
+            f"{figure(values(grouped, (variant, positions), 'test_bits_per_byte'), 3)} | "
+            f"{figure(values(grouped, (variant, positions), 'ood_perplexity'), 1)} | "
+            f"{first['cache_bytes_per_token']:,.0f} | "
+            f"{figure(values(grouped, (variant, positions), 'tokens_per_second'), 0)} | "
+            f"{figure([r['train_seconds'] / 60 for r in cells], 1)} |"
+        )
+    lines += [
+        "",
+        f"Extrapolation: trained on {min(setup.lengths)} tokens, test perplexity with windows of L every L/2.",
+        "",
+        "| variant | positions | " + " | ".join(f"L = {n}" for n in setup.lengths) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in setup.lengths) + " |",
+    ]
+    for key in grouped:
+        scored = [extrapolated(grouped, key, n) for n in setup.lengths]
+        lines.append(
+            f"| {key[0]} | {key[1]} | "
+            + " | ".join("refused" if isinstance(s, str) else figure(s) for s in scored)
+            + " |"
+        )
+    lines += ["", "Claims of the papers, checked (A beats B only where the seeds' ranges do not overlap):", ""]
+    lines += [f"- **{claim}**: {verdict}." for claim, verdict in claims(rows, setup)]
+    if failed:
+        lines += ["", "Failed cells (a rerun tries them again):", ""]
+        lines += [f"- {row['cell']}: {row['error']}" for row in failed]
+    return "\n".join(lines)
+
+
+def plot_against(rows: list[dict], path: Path, x_of: Callable[[list[dict]], float], x_label: str, log_x: bool) -> bool:
+    """Test perplexity (mean, a bar of one standard deviation) of every configuration against `x_of(its rows)`."""
+    plt = headless_pyplot()
+    grouped = groups(rows)
+    if plt is None or not grouped:
+        return False
+    fig, axis = plt.subplots(figsize=(8, 5.5))
+    for (variant, positions), cells in grouped.items():
+        mean, spread = mean_spread([r["test_perplexity"] for r in cells])
+        x = x_of(cells)
+        axis.errorbar([x], [mean], yerr=[spread], fmt="o", capsize=3)
+        axis.annotate(
+            variant if positions == default_positions(variant) else f"{variant} ({positions})",
+            (x, mean),
+            textcoords="offset points",
+            xytext=(4, 3),
+            fontsize=7,
+        )
+    if log_x:
+        axis.set_xscale("log")
+    axis.set_xlabel(x_label)
+    axis.set_ylabel("test perplexity (State of the Union 2011-2021)")
+    axis.grid(alpha=0.3)
+    save_figure(fig, path)
+    return True
+
+
+def plot_extrapolation(rows: list[dict], lengths: list[int], path: Path) -> bool:
+    plt = headless_pyplot()
+    grouped = groups(rows)
+    if plt is None or not grouped:
+        return False
+    fig, axis = plt.subplots(figsize=(8, 5.5))
+    for key in grouped:
+        points = [(n, extrapolated(grouped, key, n)) for n in lengths]
+        points = [(n, statistics.fmean(s)) for n, s in points if not isinstance(s, str) and s]
+        if len(points) > 1:
+            axis.plot(*zip(*points), marker="o", label=f"{key[0]} ({key[1]})")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel(f"window length (trained on {min(lengths)})")
+    axis.set_ylabel("test perplexity")
+    axis.legend(fontsize=7, ncol=2)
+    axis.grid(alpha=0.3)
+    save_figure(fig, path)
+    return True
+
+
+def write_board(setup: QualitySetup, rows: list[dict], log: Callable[[str], None] = print) -> None:
+    """board.md (the tables and the claims) and the plots, from the rows so far."""
+    folder = Path(setup.output_dir)
+    plots = {
+        "frontier.png": lambda path: plot_against(
+            rows,
+            path,
+            lambda cells: cells[0]["cache_bytes_per_token"],
+            f"cache bytes per token after {setup.cache_tokens} tokens (log)",
+            True,
+        ),
+        "walltime.png": lambda path: plot_against(
+            rows,
+            path,
+            lambda cells: statistics.fmean(r["train_seconds"] / 60 for r in cells),
+            "training wall time (minutes, 2 CPU cores)",
+            False,
+        ),
+        "extrapolation.png": lambda path: plot_extrapolation(rows, setup.lengths, path),
+    }
+    table = board_table(rows, setup)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "board.md").write_text(table + "\n")
+    drawn = [name if draw(folder / name) else f"no {name} (no matplotlib)" for name, draw in plots.items()]
+    log(table)
+    log(f"written to {folder}: board.json, board.md, {', '.join(drawn)}")
+
+
+BENCHMARKS = {"quality": Benchmark(QualitySetup, run_board)}
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARKS))

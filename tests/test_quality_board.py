@@ -1,0 +1,192 @@
+"""The quality board (benchmarks/quality.py): a tiny board end to end, parameter matching over the registry, resuming,
+failing cells, and the verdicts on the papers' claims."""
+
+import json
+import random
+
+import pytest
+
+from hf_attn_zoo.cli import benchmark_script
+from hf_attn_zoo.models import VARIANTS
+
+quality = benchmark_script("quality")  # benchmarks/quality.py, imported from the repository
+
+WORDS = "the of and to in a that we our for is this it be have will with as by nation people congress state".split()
+
+
+def write_texts(folder, names, seed):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for name in names:
+        sentences = (" ".join(rng.choices(WORDS, k=12)).capitalize() + "." for _ in range(40))
+        (folder / name).write_text(" ".join(sentences) + "\n")
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpora")
+    years = [*range(1995, 2001), 2005, 2006, 2015, 2016]
+    write_texts(root / "sotu", [f"{year}_President_party.txt" for year in years], seed=0)
+    write_texts(root / "plays", ["hamlet_gut.txt", "macbeth_gut.txt"], seed=1)
+    return root
+
+
+def tiny_setup(corpora, output_dir, **fields) -> "quality.QualitySetup":
+    options = {
+        "output_dir": str(output_dir),
+        "data_dir": str(corpora / "sotu"),
+        "ood_dir": str(corpora / "plays"),
+        "variants": ["gqa", "mqa"],
+        "positions": ["rope"],
+        "seeds": [0],
+        "budget": 128,  # 2 steps of 2 x 32 tokens
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "fields": "{}",
+        "lengths": [32, 64],
+        "ood_chars_per_work": 600,
+        "cache_tokens": 48,
+        "overrides": [
+            "--data.vocab_size", "300", "--data.block_size", "32",
+            "--training.per_device_train_batch_size", "2", "--training.per_device_eval_batch_size", "2",
+        ],
+    }  # fmt: skip
+    return quality.QualitySetup(**{**options, **fields})
+
+
+ROW_FIELDS = {
+    "cell", "variant", "positions", "seed", "parameters", "non_embedding_parameters", "reference_parameters",
+    "intermediate_size", "max_position_embeddings", "train_tokens", "steps", "train_seconds", "tokens_per_second",
+    "validation_perplexity", "test_perplexity", "test_bits_per_byte", "ood_perplexity", "ood_bits_per_byte",
+    "extrapolation", "cache_bytes_per_token", "cell_seconds",
+}  # fmt: skip
+
+
+def test_a_tiny_board_writes_every_field_and_refuses_windows_past_a_table(corpora, tmp_path):
+    setup = tiny_setup(corpora, tmp_path, positions=["rope", "learned"])
+    rows = quality.run_board(setup, log=lambda _: None)
+    assert [row["cell"] for row in rows] == ["gqa-rope-seed0", "mqa-rope-seed0", "gqa-learned-seed0"]
+    stored = json.loads((tmp_path / "board.json").read_text())
+    assert stored["rows"] == rows and stored["defining"]["budget"] == 128
+    for row in rows:
+        assert set(row) == ROW_FIELDS, row.get("error")
+        assert row["train_tokens"] == 128 and row["steps"] == 2
+        assert 1 < row["test_perplexity"] < 300 and row["test_bits_per_byte"] > 0 and row["ood_perplexity"] > 1
+        # matched to mha's non-embedding parameters through the MLP width
+        assert abs(row["non_embedding_parameters"] / row["reference_parameters"] - 1) <= 0.10
+        assert row["extrapolation"]["32"]["perplexity"] == row["test_perplexity"]
+    gqa, mqa, learned = rows
+    assert mqa["intermediate_size"] > gqa["intermediate_size"]  # MQA's smaller key/value projections go to its MLP
+    # the cache is measured: MQA holds half of GQA-2's keys and values (1 x 16 against 2 x 16 per layer, fp32)
+    assert gqa["cache_bytes_per_token"] == 2 * 2 * 16 * 4 and mqa["cache_bytes_per_token"] == 2 * 1 * 16 * 4
+    assert gqa["max_position_embeddings"] == 64 and "perplexity" in gqa["extrapolation"]["64"]
+    # learned positions are a table of the training length: the longer window is refused with the model's reason
+    assert learned["max_position_embeddings"] == 32
+    assert "max_position_embeddings" in learned["extrapolation"]["64"]["refused"]
+    table = (tmp_path / "board.md").read_text()
+    assert "| gqa | learned | 1 |" in table and "refused" in table and "**Multi-head attention" in table
+
+
+def test_a_failing_cell_is_recorded_the_board_goes_on_and_a_rerun_trains_only_what_is_unfinished(
+    corpora, tmp_path, monkeypatch
+):
+    real = quality.run_training
+    trained = []
+
+    def failing_for_mqa(model_args, data_args, training_args):
+        trained.append(model_args.variant)
+        if model_args.variant == "mqa":
+            raise RuntimeError("out of memory, say")
+        return real(model_args, data_args, training_args)
+
+    monkeypatch.setattr(quality, "run_training", failing_for_mqa)
+    rows = quality.run_board(tiny_setup(corpora, tmp_path), log=lambda _: None)
+    assert trained == ["gqa", "mqa"]
+    assert "error" not in rows[0] and rows[1]["error"] == "RuntimeError: out of memory, say"
+    assert "mqa-rope-seed0: RuntimeError: out of memory, say" in (tmp_path / "board.md").read_text()
+
+    # the rerun skips the finished cell and tries the failed one again; a new seed adds its cells
+    trained.clear()
+    monkeypatch.setattr(quality, "run_training", lambda *args: trained.append(args[0].variant) or real(*args))
+    rows = quality.run_board(tiny_setup(corpora, tmp_path, seeds=[0, 1]), log=lambda _: None)
+    assert trained == ["mqa", "gqa", "mqa"]
+    assert sorted(row["cell"] for row in rows if "error" not in row) == [
+        "gqa-rope-seed0", "gqa-rope-seed1", "mqa-rope-seed0", "mqa-rope-seed1",
+    ]  # fmt: skip
+
+    # a board is resumed only with the options that made it
+    with pytest.raises(SystemExit, match="budget=128"):
+        quality.run_board(tiny_setup(corpora, tmp_path, budget=256), log=lambda _: None)
+
+
+def test_every_registered_variant_matches_the_reference_parameters_at_the_default_board():
+    setup = quality.QualitySetup()
+    assert set(setup.variants) == set(VARIANTS)  # the board reads the registry: a new variant joins it unasked
+    cells = quality.configurations(setup)
+    assert ("gqa", "alibi") in cells and ("gqa", "none") in cells and len(cells) == len(VARIANTS) + 4
+    for variant, positions in cells:
+        fields, count, target = quality.cell_fields(setup, quality.Cell(variant, positions, 0), 4096, 256)
+        assert abs(count / target - 1) <= 0.10, (variant, positions, count, target)
+        assert fields["intermediate_size"] % 8 == 0 and fields["position_embedding_type"] == positions
+        # built for 2,048 positions unless that changes the parameters (tables over positions)
+        sized_by_length = positions == "learned" or variant in ("linformer", "aft_full", "aft_local")
+        assert fields["max_position_embeddings"] == (256 if sized_by_length else 2048), (variant, positions)
+    sliding, _, _ = quality.cell_fields(setup, quality.Cell("sliding_window", "rope", 0), 4096, 256)
+    assert sliding["sliding_window"] == 64  # --fields reaches the variants whose config has the field
+
+
+def test_bad_options_are_refused_naming_them(tmp_path):
+    with pytest.raises(SystemExit, match="unknown variant.*nope"):
+        quality.configurations(quality.QualitySetup(variants=["nope"]))
+    with pytest.raises(SystemExit, match="--positions alibi: aft_simple supports"):
+        quality.configurations(quality.QualitySetup(position_variant="aft_simple", positions=["alibi"]))
+    with pytest.raises(SystemExit, match="--fields"):
+        quality.QualitySetup(fields="{window: 3").extra_fields()
+
+
+def fake_rows(test_perplexities: dict[tuple[str, str], list[float]], extrapolation=None) -> list[dict]:
+    rows = []
+    for (variant, positions), values in test_perplexities.items():
+        for seed, value in enumerate(values):
+            scores = (extrapolation or {}).get((variant, positions), {})
+            rows.append(
+                {
+                    "variant": variant,
+                    "positions": positions,
+                    "seed": seed,
+                    "test_perplexity": value,
+                    "extrapolation": {n: s[seed] if isinstance(s, list) else s for n, s in scores.items()},
+                }
+            )
+    return rows
+
+
+def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
+    setup = quality.QualitySetup(lengths=[256, 2048])
+    rows = fake_rows(
+        {
+            ("mha", "rope"): [20.0, 20.5, 21.0],
+            ("single_head", "rope"): [22.0, 22.5, 23.0],  # apart: holds
+            ("mqa", "rope"): [20.8, 21.5, 22.0],  # overlaps mha: within noise
+            ("gqa", "rope"): [20.6, 21.0, 21.4],
+            ("aft_local", "none"): [30.0, 31.0, 32.0],
+            ("aft_simple", "none"): [29.0, 29.5, 29.9],  # apart, the other way: does not hold
+        }
+    )
+    verdicts = dict(quality.claims(rows, setup))
+    multi_head, mqa, alibi, aft, linformer = verdicts.values()
+    assert multi_head.startswith("holds: mha (rope) 20.50 ± 0.50 against single_head (rope) 22.50 ± 0.50")
+    assert mqa.startswith("within noise") and "GQA's mean lies between them" in mqa
+    assert aft.startswith("does not hold at this scale")
+    assert alibi.startswith("not measured") and linformer.startswith("not measured (no finished cell of linformer")
+
+    scores = {
+        ("gqa", "alibi"): {"256": [{"perplexity": v} for v in (20, 21, 22)], "2048": [{"perplexity": 19.5}] * 3},
+        ("gqa", "sinusoidal"): {"256": [{"perplexity": 21}] * 3, "2048": [{"perplexity": 90}] * 3},
+        ("gqa", "learned"): {"256": [{"perplexity": 21}] * 3, "2048": {"refused": "position 256 is beyond ..."}},
+    }
+    rows += fake_rows({key: [21.0] * 3 for key in scores}, scores)
+    alibi = dict(quality.claims(rows, setup))[next(c for c in verdicts if c.startswith("ALiBi"))]
+    assert alibi.startswith("holds: alibi 19.50 ± 0.00 at 2048, no worse than 21.00 ± 1.00 at 256")
+    assert "sinusoidal 90.00 ± 0.00 at 2048, worse than" in alibi and "learned refused at 2048" in alibi
