@@ -163,10 +163,6 @@ class Cell:
     def name(self) -> str:
         return f"{self.variant}-{self.positions}-seed{self.seed}"
 
-    @property
-    def configuration(self) -> tuple[str, str]:
-        return self.variant, self.positions
-
 
 def default_positions(variant: str) -> str:
     return get_variant(variant).config_class().position_embedding_type
