@@ -60,7 +60,7 @@ from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.models import POSITION_EMBEDDING_TYPES, VARIANTS, get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
-from hf_attn_zoo.training import load_recipe, non_embedding_parameters, run_training
+from hf_attn_zoo.training import load_recipe, non_embedding_parameters, read_recipe, run_training
 
 DATA = REPOSITORY / "data"
 MLP_MULTIPLE = 8  # intermediate sizes are rounded to this
@@ -131,10 +131,10 @@ class QualitySetup(Results):
     )
 
     def defining(self) -> dict:
-        recipe = Path(self.recipe)
+        # the recipe's contents, not its path: a board trained by an edited recipe is another board
         return {
             **{name: getattr(self, name) for name in self.DEFINING},
-            "recipe": json.loads(json.dumps(_read_yaml(recipe))) if recipe.is_file() else str(recipe),
+            "recipe": json.loads(json.dumps(read_recipe(self.recipe))),
         }
 
     def extra_fields(self) -> dict:
@@ -145,12 +145,6 @@ class QualitySetup(Results):
         if not isinstance(extra, dict):
             raise SystemExit(f"--fields {self.fields!r}: give a JSON mapping of config fields")
         return extra
-
-
-def _read_yaml(path: Path) -> dict:
-    import yaml
-
-    return yaml.safe_load(path.read_text())
 
 
 @dataclass(frozen=True)
