@@ -171,13 +171,21 @@ def configurations(setup: QualitySetup) -> list[tuple[str, str]]:
     refused = [p for p in setup.positions if p not in supported]
     if refused:
         raise SystemExit(f"--positions {' '.join(refused)}: {setup.position_variant} supports {' '.join(supported)}")
-    pairs = [(variant, default_positions(variant)) for variant in setup.variants]
-    return pairs + [(setup.position_variant, p) for p in setup.positions if (setup.position_variant, p) not in pairs]
+    sweep = [p for p in setup.positions if p != default_positions(setup.position_variant)]
+    pairs = []
+    for variant in setup.variants:
+        pairs.append((variant, default_positions(variant)))
+        if variant == setup.position_variant:  # the sweep beside its default, so the two are read together
+            pairs += [(variant, p) for p in sweep]
+    if setup.position_variant not in setup.variants:
+        pairs += [(setup.position_variant, p) for p in setup.positions]
+    return pairs
 
 
 def plan(setup: QualitySetup) -> list[Cell]:
-    """Seed-major: a board stopped early has every configuration at its first seeds."""
-    return [Cell(variant, positions, seed) for seed in setup.seeds for variant, positions in configurations(setup)]
+    """Configuration-major: a board stopped early has each finished configuration at every seed, so its noise is
+    measured and its claims can be judged, instead of everything at one seed and nothing judged."""
+    return [Cell(variant, positions, seed) for variant, positions in configurations(setup) for seed in setup.seeds]
 
 
 def non_embedding_count(variant: str, fields: dict) -> int:

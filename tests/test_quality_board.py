@@ -125,6 +125,10 @@ def test_every_registered_variant_matches_the_reference_parameters_at_the_defaul
     assert set(setup.variants) == set(VARIANTS)  # the board reads the registry: a new variant joins it unasked
     cells = quality.configurations(setup)
     assert ("gqa", "alibi") in cells and ("gqa", "none") in cells and len(cells) == len(VARIANTS) + 4
+    gqa = cells.index(("gqa", "rope"))  # the sweep sits beside its default ...
+    assert cells[gqa + 1 : gqa + 5] == [("gqa", p) for p in ("alibi", "sinusoidal", "learned", "none")]
+    # ... and each configuration runs at all its seeds before the next starts
+    assert [(c.variant, c.seed) for c in quality.plan(setup)[:4]] == [("mha", 0), ("mha", 1), ("mha", 2), ("mqa", 0)]
     for variant, positions in cells:
         fields, count, target = quality.cell_fields(setup, quality.Cell(variant, positions, 0), 4096, 256)
         assert abs(count / target - 1) <= 0.10, (variant, positions, count, target)
