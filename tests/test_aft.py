@@ -3,18 +3,21 @@
 import pytest
 import torch
 
-from hf_attn_zoo.models.aft import aft_attend, aft_simple_attend
+from hf_attn_zoo.models.aft import aft_attend, aft_dense_attend, aft_simple_attend, aft_state_after
 
 from conftest import ATOL, left_padded_batch, returned_cache, tiny_model
 
 
+@pytest.mark.parametrize("scale", [400.0, 40_000.0])
 @pytest.mark.parametrize("name", ["aft_full", "aft_local", "aft_simple"])
-def test_large_keys_stay_finite_and_causal(name):
-    """Keys of magnitude 200 overflow a naive exp; running maxima keep every output finite and exactly causal."""
+def test_large_keys_stay_finite_and_causal(name, scale):
+    """Keys of magnitude 200 overflow a naive exp; shifts by causal maxima keep every output finite and exactly
+    causal. Keys of magnitude 20,000 also overflow AFT-full's and AFT-local's whole-sequence float64 path, which then
+    falls back to the chunked scan."""
     model = tiny_model(name)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(400.0)
+            layer.self_attn.k_proj.weight.mul_(scale)
     input_ids = torch.randint(3, 90, (2, 12))
     changed = input_ids.clone()
     changed[:, 7] = (changed[:, 7] + 1) % 97
@@ -119,3 +122,57 @@ def test_simple_kernel_refuses_documents_with_a_state():
     _, state = aft_simple_attend(keys, keys, None, None, 4)
     with pytest.raises(ValueError, match="cache=None"):
         aft_simple_attend(keys, keys, None, state, 4, torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_dense_kernel_matches_the_chunked_scan(window):
+    """`aft_dense_attend` (the whole sequence as two matrix products) against `aft_attend` in float64, with left
+    padding and packed documents, for AFT-full (no window) and AFT-local."""
+    torch.manual_seed(0)
+    batch, length, width, rank = 3, 11, 8, 2
+    keys, values = torch.randn(batch, length, width) * 3, torch.randn(batch, length, width)
+    u, v = torch.randn(length, rank), torch.randn(length, rank)
+
+    def bias(query_positions, key_positions):
+        return u[query_positions] @ v[key_positions].transpose(1, 2)
+
+    def reference(keys, values, valid, positions, with_state=False):
+        double_bias = lambda *positions: bias(*positions).double()  # noqa: E731
+        out = aft_attend(keys.double(), values.double(), valid, positions, None, window, double_bias, 4)
+        return out if with_state else out[0]
+
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, :4] = False
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    got = aft_dense_attend(keys, values, valid, positions, window, bias)
+    expected, expected_state = reference(keys, values, valid, positions, with_state=True)
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=0)
+    assert torch.equal(got[1, :4], torch.zeros(4, width))  # padding reaches no key
+    # the state a cache keeps after the call is the chunked scan's: the same sums at the same shift, the same keys
+    state = aft_state_after(keys, values, valid, positions, window)
+    assert state.keys() == expected_state.keys()
+    for name, tensor in state.items():
+        scale = torch.exp(state["max"].double() - expected_state["max"]) if name in ("numerator", "denominator") else 1
+        torch.testing.assert_close(tensor.double() * scale, expected_state[name].double(), atol=ATOL, rtol=1e-6)
+
+    documents = torch.tensor([[0] * 5 + [1] * 6, [0] * 2 + [1] * 7 + [2] * 2, [0] * length])
+    starts = [[0, 5, 11], [0, 2, 9, 11], [0, 11]]
+    positions = torch.stack(
+        [torch.cat([torch.arange(end - start) for start, end in zip(row, row[1:])]) for row in starts]
+    )
+    packed = aft_dense_attend(keys, values, None, positions, window, bias, documents)
+    for row, row_starts in enumerate(starts):
+        for start, end in zip(row_starts, row_starts[1:]):
+            alone = reference(
+                keys[row : row + 1, start:end],
+                values[row : row + 1, start:end],
+                None,
+                positions[row : row + 1, start:end],
+            )
+            torch.testing.assert_close(packed[row : row + 1, start:end].double(), alone, atol=ATOL, rtol=0)
+
+    # a key 1,000 nats above its document's first overflows float64: the result says so, and the model falls back
+    keys[0, 6] += 1000.0
+    assert not torch.isfinite(
+        aft_dense_attend(keys, values, None, torch.arange(length).expand(batch, -1), window, bias)
+    ).all()

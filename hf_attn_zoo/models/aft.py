@@ -18,7 +18,8 @@ per layer, AFT-local also from its last s - 1 keys and values. AFT-simple's scan
 chunk at once and keeps only a small per-chunk step sequential, since without a bias nothing else differs per chunk.
 AFT-full is O(T²·d) by nature: per chunk of queries, the keys before the chunk go through matrix products (shifted
 per channel by their running max and per row by the bias' max), the keys inside it are computed exactly; it decodes
-from cached keys and values.
+from cached keys and values. Without a cache (training, uncached scoring) AFT-full and AFT-local skip the chunks:
+`aft_dense_attend` shares one (T, T) weight matrix among all channels and sums with two float64 matrix products.
 
 Cache per token: AFT-full 2·L·d; AFT-local flat after s tokens (2·L·d·(s - 1) + 3·L·d in all); AFT-simple nothing
 (a state of 3·L·d). Positions: w is AFT's own position scheme and reads true positions (`position_ids`); absolute
@@ -299,6 +300,99 @@ def aft_attend(
     return torch.cat(outputs, dim=1), new_state
 
 
+def aft_dense_attend(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    positions: torch.LongTensor,
+    window: int | None,
+    bias: Bias,
+    documents: torch.LongTensor | None = None,
+) -> torch.Tensor:
+    """AFT-full (`window` None) or AFT-local (`window` s) over a whole sequence at once, without a state: the
+    training and uncached path. keys, values `(B, T, d)` in float32; returns the weighted averages `(B, T, d)`.
+
+    exp(w[t, t'] + k[t']) factorises as exp(w[t, t'] - r[t]) · exp(k[t'] - c) · exp(r[t] + c), and the last factor
+    cancels between numerator and denominator. So every channel shares one (T, T) matrix of weights and the whole
+    sum is two matrix products, with no (T, T, d) tensor:
+    - r[t] is the max of row t's reachable biases (the keys at or before t), so exp(w - r) <= 1 and is exactly 0
+      past t;
+    - c is, per channel, the key of the first valid token of t's document: a key every query of the document
+      reads, so no shift depends on a later token. Keys may span hundreds of nats around c, so exp(k - c) and the
+      products run in float64 (finite within 709 nats of c; beyond, the caller falls back to `aft_attend`).
+    A later key meets an earlier row only through a weight of exactly 0 (a finite product of 0), so earlier outputs
+    are bit-identical when later tokens change. O(T²·d) multiply-adds as matrix products and O(T²) elementwise work
+    (the chunked scan does O(T·chunk·d) elementwise work, which bounds it on CPU).
+    """
+    batch, length, width = keys.shape
+    index = torch.arange(length, device=keys.device)
+    reach = (index[:, None] >= index[None, :]).expand(batch, length, length)  # (B, T, T): causal
+    if valid is not None:
+        reach = reach & valid[:, None, :]
+    if documents is not None:
+        reach = reach & (documents[:, :, None] == documents[:, None, :])
+    w = bias(positions, positions)  # (B, T, T)
+    if window is not None:  # AFT-local: w within the window, 0 (not -inf) beyond it
+        w = w.masked_fill(positions[:, :, None] - positions[:, None, :] >= window, 0.0)
+    w = w.masked_fill(~reach, float("-inf"))
+    row_max = w.amax(dim=-1, keepdim=True).detach()  # (B, T, 1)
+    weights = torch.exp(w - torch.where(torch.isfinite(row_max), row_max, 0.0)).double()  # (B, T, T), <= 1
+    # per token, the first valid token of its document (its key is read by every query of the document that reads
+    # any key): the first valid index at or after the document's first token, (B, T)
+    document_start = torch.zeros(batch, length, dtype=torch.long, device=keys.device)
+    if documents is not None:
+        new_document = torch.ones_like(documents, dtype=torch.bool)
+        new_document[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        document_start = torch.where(new_document, index, 0).cummax(dim=1).values
+    next_valid = index.expand(batch, length) if valid is None else torch.where(valid, index, length - 1)
+    next_valid = next_valid.flip(1).cummin(dim=1).values.flip(1)  # (B, T): the first valid index at or after t
+    starts = next_valid.gather(1, document_start)
+    shift = keys.gather(1, starts[..., None].expand(-1, -1, width)).detach()  # (B, T, d)
+    exponent = (keys - shift).double()  # (B, T, d)
+    if valid is not None:  # padding keys count for nothing, and a large one must not overflow into a NaN
+        exponent = exponent.masked_fill(~valid[..., None], float("-inf"))
+    exps = torch.exp(exponent)
+    sums = weights @ torch.cat((exps * values.double(), exps), dim=-1)  # (B, T, 2d): numerator | denominator
+    numerator, denominator = sums.split(width, dim=-1)
+    return (numerator / torch.where(denominator > 0, denominator, 1.0)).float()
+
+
+def aft_state_after(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    positions: torch.LongTensor,
+    window: int | None,
+    documents: torch.LongTensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The state `aft_attend` leaves after these tokens from an empty state, for a call that `aft_dense_attend`
+    served: AFT-local folds every key but the last s - 1 into running (max, sum exp·v, sum exp) per channel, of the
+    document of the last folded key only (a later key never reads another document); AFT-full keeps every key."""
+    batch, length, width = keys.shape
+    if valid is None:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
+    fold_to = 0 if window is None else max(length - max(window - 1, 0), 0)
+    if fold_to:
+        leaving = keys[:, :fold_to].masked_fill(~valid[:, :fold_to, None], float("-inf"))  # (B, F, d)
+        if documents is not None:
+            other = documents[:, :fold_to] != documents[:, fold_to - 1 : fold_to]  # (B, F)
+            leaving = leaving.masked_fill(other[..., None], float("-inf"))
+        numerator, denominator, running_max = _log_sum(leaving, values[:, :fold_to], dim=1)
+        running_max = torch.where(torch.isfinite(running_max), running_max, NO_KEY_YET)
+    else:
+        running_max = keys.new_full((batch, width), NO_KEY_YET)
+        numerator, denominator = keys.new_zeros(batch, width), keys.new_zeros(batch, width)
+    return {
+        "max": running_max,
+        "numerator": numerator,
+        "denominator": denominator,
+        "keys": keys[:, fold_to:].masked_fill(~valid[:, fold_to:, None], 0.0),
+        "values": values[:, fold_to:],
+        "positions": positions[:, fold_to:],
+        "valid": valid[:, fold_to:],
+    }
+
+
 def _running_totals(
     maxima: torch.Tensor, numerators: torch.Tensor, denominators: torch.Tensor, restarts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -474,10 +568,20 @@ class ZooAFTAttention(ZooAttention):
                 )
         layer = state_layer(cache, self.layer_idx, self.config.model_type)
         chunk, documents, state = self.config.query_chunk_size, attention_mask.documents, layer and layer.read()
-        if self.mode == "simple" and not torch.compiler.is_exporting():  # exporting: aft_attend's one-chunk graph
+        exporting = torch.compiler.is_exporting()
+        window = {"full": None, "simple": 0}.get(self.mode, getattr(self.config, "aft_window", None))
+        averages = None
+        if self.mode == "simple" and not exporting:  # exporting: aft_attend's one-chunk graph
             averages, state = aft_simple_attend(keys, values, attention_mask.padding, state, chunk, documents)
-        else:
-            window = {"full": None, "simple": 0}.get(self.mode, getattr(self.config, "aft_window", None))
+        elif state is None and not exporting:  # from the first token (training, scoring, a prompt): all at once
+            averages = aft_dense_attend(
+                keys, values, attention_mask.padding, positions, window, self.pairwise_bias, documents
+            )
+            if not torch.compiler.is_compiling() and not torch.isfinite(averages).all():
+                averages = None  # keys beyond float64's range around their document's first key: the exact scan
+            elif layer is not None:
+                state = aft_state_after(keys, values, attention_mask.padding, positions, window, documents)
+        if averages is None:
             bias = None if self.mode == "simple" else self.pairwise_bias
             averages, state = aft_attend(
                 keys, values, attention_mask.padding, positions, state, window, bias, chunk, documents
