@@ -19,11 +19,13 @@ zoo / Llama is the median of the ratios of back-to-back pairs (common.py); above
 """
 
 import copy
+import json
 import platform
 import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from common import Benchmark, Results, alternate, compare, fastest, llama_like, main, paired_ratio, write_results
@@ -238,7 +240,19 @@ def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], Non
     return rows
 
 
+def _row_key(row: dict) -> tuple:
+    return row["variant"], row["mode"], row["batch"], row["seq_len"]
+
+
+def _row_order(row: dict) -> tuple:
+    """Registry order (unregistered variants last), then mode, then the shape's length."""
+    known = list(VARIANTS)
+    variant = known.index(row["variant"]) if row["variant"] in known else len(known)
+    return variant, MODES.index(row["mode"]), row["seq_len"], row["batch"]
+
+
 def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) -> str:
+    modes = [mode for mode in MODES if any(row["mode"] == mode for row in rows)]
     lines = [
         f"Training tokens/s, `{setup.size}` presets (vocabulary {setup.vocab_size}), forward + backward + AdamW, one "
         f"process, {torch.get_num_threads()} CPU threads; `LlamaForCausalLM` at the same width, depth, MLP and head "
@@ -247,16 +261,16 @@ def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) 
         "back-to-back pairs.",
         "",
         "| variant | parameters | batch x T | "
-        + " | ".join(f"{m} zoo | {m} Llama | {m} zoo / Llama" for m in setup.modes)
+        + " | ".join(f"{m} zoo | {m} Llama | {m} zoo / Llama" for m in modes)
         + " |",
-        "| --- | ---: | ---: |" + " ---: | ---: | ---: |" * len(setup.modes),
+        "| --- | ---: | ---: |" + " ---: | ---: | ---: |" * len(modes),
     ]
     cells: dict[tuple, dict[str, dict]] = {}
     for row in rows:
         cells.setdefault((row["variant"], row["parameters"], row["batch"], row["seq_len"]), {})[row["mode"]] = row
     for (variant, parameters, batch, length), by_mode in cells.items():
         line = f"| `{variant}` | {parameters / 1e6:.1f}M | {batch} x {length} |"
-        for mode in setup.modes:
+        for mode in modes:
             row = by_mode.get(mode)
             line += (
                 " | | |"
@@ -271,7 +285,15 @@ def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) 
 
 
 def run_training_throughput(setup: TrainingThroughputSetup) -> list[dict]:
+    """Measure, then write the rows beside those of earlier runs into the same files: a run over some variants,
+    modes or shapes replaces their rows and keeps the others (each row is its own ratio, measured back to back)."""
     rows = training_throughput(setup)
+    earlier = Path(setup.output_dir) / f"training_throughput_{setup.size}.json"
+    if earlier.exists():
+        measured = {_row_key(row) for row in rows}
+        rows = sorted(
+            [r for r in json.loads(earlier.read_text()) if _row_key(r) not in measured] + rows, key=_row_order
+        )
     write_results(setup.output_dir, f"training_throughput_{setup.size}", rows, training_throughput_table(rows, setup))
     return rows
 

@@ -21,12 +21,22 @@ def test_rows_per_mode_and_shape_and_one_table_line_per_shape(tmp_path):
         repeats=1,
         output_dir=str(tmp_path),
     )
-    rows = speed.run_training_throughput(setup)
+    rows = first = speed.run_training_throughput(setup)
     assert [(r["mode"], r["batch"], r["seq_len"]) for r in rows] == [("eager", 2, 16), ("eager", 1, 40)]
     assert all(r["tokens_per_second_zoo"] > 0 and r["tokens_per_second_llama"] > 0 for r in rows)
     table = (tmp_path / "training_throughput_tiny.md").read_text()
     assert "| `aft_simple` | " in table and "| 1 x 40 |" in table and "eager zoo / Llama" in table
     assert len(json.loads((tmp_path / "training_throughput_tiny.json").read_text())) == 2
+
+    # a later run over another variant and one shape keeps the rows it did not measure, in registry order
+    setup.variants, setup.shapes = ["aft_full"], ["2x16"]
+    speed.run_training_throughput(setup)
+    setup.variants = ["aft_simple"]
+    speed.run_training_throughput(setup)  # measured again: replaced, not doubled
+    rows = json.loads((tmp_path / "training_throughput_tiny.json").read_text())
+    assert [(r["variant"], r["seq_len"]) for r in rows] == [("aft_full", 16), ("aft_simple", 16), ("aft_simple", 40)]
+    assert rows[2] == json.loads(json.dumps(first[1]))  # the row not measured again is kept as it was
+    assert "| `aft_full` | " in (tmp_path / "training_throughput_tiny.md").read_text()
 
 
 @pytest.mark.parametrize(
