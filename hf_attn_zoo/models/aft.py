@@ -18,8 +18,9 @@ per layer, AFT-local also from its last s - 1 keys and values. AFT-simple's scan
 chunk at once and keeps only a small per-chunk step sequential, since without a bias nothing else differs per chunk.
 AFT-full is O(T²·d) by nature: per chunk of queries, the keys before the chunk go through matrix products (shifted
 per channel by their running max and per row by the bias' max), the keys inside it are computed exactly; it decodes
-from cached keys and values. Without a cache (training, uncached scoring) AFT-full and AFT-local skip the chunks:
-`aft_dense_attend` shares one (T, T) weight matrix among all channels and sums with two float64 matrix products.
+from cached keys and values. From no state (training, scoring, a prompt) AFT-full and AFT-local skip the chunks:
+`aft_dense_attend` shares one (T, T) weight matrix among all channels and sums with two float64 matrix products,
+and `aft_state_after` builds the state the chunked scan would have left.
 
 Cache per token: AFT-full 2·L·d; AFT-local flat after s tokens (2·L·d·(s - 1) + 3·L·d in all); AFT-simple nothing
 (a state of 3·L·d). Positions: w is AFT's own position scheme and reads true positions (`position_ids`); absolute
@@ -309,8 +310,8 @@ def aft_dense_attend(
     bias: Bias,
     documents: torch.LongTensor | None = None,
 ) -> torch.Tensor:
-    """AFT-full (`window` None) or AFT-local (`window` s) over a whole sequence at once, without a state: the
-    training and uncached path. keys, values `(B, T, d)` in float32; returns the weighted averages `(B, T, d)`.
+    """AFT-full (`window` None) or AFT-local (`window` s) over a whole sequence at once, from no state: training,
+    scoring and prompts. keys, values `(B, T, d)` in float32; returns the weighted averages `(B, T, d)`.
 
     exp(w[t, t'] + k[t']) factorises as exp(w[t, t'] - r[t]) · exp(k[t'] - c) · exp(r[t] + c), and the last factor
     cancels between numerator and denominator. So every channel shares one (T, T) matrix of weights and the whole
