@@ -264,11 +264,11 @@ def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
     config = model.config
     positions = true_positions(attention_mask)
-    x = model.model.embed_tokens(input_ids)
+    x = model.model.embed_tokens.weight[input_ids]
     if config.position_embedding_type == "learned":
         x = x + model.model.embed_positions(positions)
-    elif config.position_embedding_type == "sinusoidal":
-        x = x + sinusoid(positions, config.hidden_size)
+    elif config.position_embedding_type == "sinusoidal":  # Vaswani et al. 2017, section 3.4: embeddings times sqrt(d)
+        x = x * config.hidden_size**0.5 + sinusoid(positions, config.hidden_size)
     for layer in model.model.layers:
         x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config)
         x = x + layer.mlp(layer.post_attention_layernorm(x))

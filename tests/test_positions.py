@@ -48,6 +48,22 @@ def test_absolute_positions_follow_position_ids(position):
         assert not torch.allclose(base, shifted, atol=1e-3)
 
 
+@pytest.mark.parametrize(
+    "position, scale_embedding, scaled",
+    [("sinusoidal", None, True), ("sinusoidal", False, False), ("rope", None, False), ("learned", True, True)],
+)
+def test_token_embeddings_are_scaled_under_sinusoidal_positions(position, scale_embedding, scaled):
+    """Vaswani et al. scale token embeddings by sqrt(d) beside sinusoids of amplitude 1; `scale_embedding` says
+    otherwise. The scale is in the embedding module, so `inputs_embeds` from it equals passing `input_ids`."""
+    model = tiny_model("gqa", position, scale_embedding=scale_embedding)
+    input_ids = torch.randint(3, 90, (2, 8))
+    embeds = model.get_input_embeddings()(input_ids)
+    weight = model.model.embed_tokens.weight[input_ids]
+    torch.testing.assert_close(embeds, weight * model.config.hidden_size**0.5 if scaled else weight)
+    with torch.no_grad():
+        assert torch.equal(model(inputs_embeds=embeds).logits, model(input_ids).logits)
+
+
 def test_learned_positions_beyond_the_table_raise():
     model = tiny_model("gqa", "learned", max_position_embeddings=16)
     with pytest.raises(ValueError, match="max_position_embeddings"):

@@ -66,6 +66,9 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
         rope_parameters (`dict`, *optional*): transformers' RoPE parameters; `rope_theta=` is accepted too. Only
             for `position_embedding_type="rope"`: other position types have none (`None`), and RoPE settings given
             to them are an error rather than silently ignored.
+        scale_embedding (`bool`, *optional*): multiply the token embeddings by sqrt(hidden_size). Defaults to True
+            with `sinusoidal` positions (Vaswani et al. 2017, whose sinusoids of amplitude 1 would otherwise drown
+            embeddings initialised at std `initializer_range`) and to False otherwise.
         initializer_range (`float`): standard deviation of the normal initialisation.
         scale_residual_init (`bool`): GPT-2's scaled init, std / sqrt(2L) for the projections that write into the
             residual stream (`o_proj`, `down_proj`).
@@ -104,6 +107,7 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
     max_position_embeddings: int = 2048
     position_embedding_type: str = "rope"
     rope_parameters: dict | None = None
+    scale_embedding: bool | None = None
     initializer_range: float = 0.02
     scale_residual_init: bool = True
     rms_norm_eps: float = 1e-6

@@ -95,6 +95,19 @@ class ZooRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
+class ZooScaledEmbedding(nn.Embedding):
+    """Token embeddings times sqrt(d), as Vaswani et al. (2017) scale them under sinusoidal positions: sinusoids of
+    amplitude 1 would otherwise drown embeddings initialised at std `initializer_range` (0.02). The scale lives in
+    the module, so `get_input_embeddings()(input_ids)` passed as `inputs_embeds` equals passing `input_ids`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.embed_scale = math.sqrt(embedding_dim)
+
+    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.embed_scale
+
+
 def make_norm(config: ZooConfig) -> nn.Module:
     if config.norm_type == "layernorm":
         return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -439,9 +452,11 @@ class ZooModel(ZooPreTrainedModel):
     def __init__(self, config: ZooConfig) -> None:
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         # read once: config attribute access is slow, and the forward runs once per generated token
         self.position_embedding_type = position_type = config.position_embedding_type
+        scaled = position_type == "sinusoidal" if config.scale_embedding is None else config.scale_embedding
+        embedding = ZooScaledEmbedding if scaled else nn.Embedding
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.embed_positions = (
             nn.Embedding(config.max_position_embeddings, config.hidden_size) if position_type == "learned" else None
         )
