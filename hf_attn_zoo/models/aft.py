@@ -158,6 +158,29 @@ class Pieces:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def _state(
+    running_max: torch.Tensor,
+    numerator: torch.Tensor,
+    denominator: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.LongTensor,
+    valid: torch.Tensor,
+    folded: int,
+) -> dict[str, torch.Tensor]:
+    """What a cache keeps: the running sums of the first `folded` entries, and the entries after them with padding
+    keys zeroed (they count for nothing; `valid` says which they are)."""
+    return {
+        "max": running_max,
+        "numerator": numerator,
+        "denominator": denominator,
+        "keys": keys[:, folded:].masked_fill(~valid[:, folded:, None], 0.0),
+        "values": values[:, folded:],
+        "positions": positions[:, folded:],
+        "valid": valid[:, folded:],
+    }
+
+
 def aft_attend(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -289,15 +312,7 @@ def aft_attend(
                 numerator = numerator * torch.exp(running_max - new_max) + part[0] * torch.exp(part[2] - new_max)
                 denominator = denominator * torch.exp(running_max - new_max) + part[1] * torch.exp(part[2] - new_max)
                 running_max, folded = new_max, fold_to
-    new_state = {
-        "max": running_max,
-        "numerator": numerator,
-        "denominator": denominator,
-        "keys": all_keys[:, folded:].masked_fill(~all_valid[:, folded:, None], 0.0),
-        "values": all_values[:, folded:],
-        "positions": all_positions[:, folded:],
-        "valid": all_valid[:, folded:],
-    }
+    new_state = _state(running_max, numerator, denominator, all_keys, all_values, all_positions, all_valid, folded)
     return torch.cat(outputs, dim=1), new_state
 
 
@@ -383,15 +398,7 @@ def aft_state_after(
     else:
         running_max = keys.new_full((batch, width), NO_KEY_YET)
         numerator, denominator = keys.new_zeros(batch, width), keys.new_zeros(batch, width)
-    return {
-        "max": running_max,
-        "numerator": numerator,
-        "denominator": denominator,
-        "keys": keys[:, fold_to:].masked_fill(~valid[:, fold_to:, None], 0.0),
-        "values": values[:, fold_to:],
-        "positions": positions[:, fold_to:],
-        "valid": valid[:, fold_to:],
-    }
+    return _state(running_max, numerator, denominator, keys, values, positions, valid, fold_to)
 
 
 def _running_totals(
