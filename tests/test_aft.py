@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from hf_attn_zoo.models.aft import aft_attend, aft_dense_attend, aft_simple_attend, aft_state_after
+from hf_attn_zoo.models.aft import (
+    aft_attend,
+    aft_banded_attend,
+    aft_dense_attend,
+    aft_simple_attend,
+    aft_state_after,
+)
 
 from conftest import ATOL, left_padded_batch, returned_cache, tiny_model
 
@@ -176,3 +182,36 @@ def test_dense_kernel_matches_the_chunked_scan(window):
     assert not torch.isfinite(
         aft_dense_attend(keys, values, None, torch.arange(length).expand(batch, -1), window, bias)
     ).all()
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 11, 20])
+def test_banded_kernel_matches_the_chunked_scan(window):
+    """`aft_banded_attend` (a running sum beyond the window, a band of matrix products within it) against
+    `aft_attend` in float64, with left padding, a length that is not a multiple of the window, and a window as long
+    as the sequence or longer; positions that do not advance by one per token are left to the dense path."""
+    torch.manual_seed(0)
+    batch, length, width, rank = 3, 11, 8, 2
+    keys, values = torch.randn(batch, length, width) * 3, torch.randn(batch, length, width)
+    u, v = torch.randn(length, rank), torch.randn(length, rank)
+
+    def bias(query_positions, key_positions):
+        return u[query_positions] @ v[key_positions].transpose(1, 2)
+
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, :4] = False
+    valid[2, :] = False  # a row of padding only
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    double_bias = lambda *positions: bias(*positions).double()  # noqa: E731
+    expected, _ = aft_attend(keys.double(), values.double(), valid, positions, None, window, double_bias, 4)
+    got = aft_banded_attend(keys, values, valid, positions, window, bias)
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=0)
+    assert torch.equal(got[1, :4], torch.zeros(4, width)) and torch.equal(got[2], torch.zeros(length, width))
+
+    changed = keys.clone()
+    changed[:, 7:] += torch.randn(batch, length - 7, width) * 5
+    later = aft_banded_attend(changed, values, valid, positions, window, bias)
+    assert torch.equal(later[:, :7], got[:, :7])  # exactly causal
+
+    skipping = positions.clone()
+    skipping[0, 5:] += 1  # a gap in row 0: the window is no longer a band of indices
+    assert aft_banded_attend(keys, values, valid, skipping, window, bias) is None

@@ -19,8 +19,9 @@ chunk at once and keeps only a small per-chunk step sequential, since without a 
 AFT-full is O(T²·d) by nature: per chunk of queries, the keys before the chunk go through matrix products (shifted
 per channel by their running max and per row by the bias' max), the keys inside it are computed exactly; it decodes
 from cached keys and values. From no state (training, scoring, a prompt) AFT-full and AFT-local skip the chunks:
-`aft_dense_attend` shares one (T, T) weight matrix among all channels and sums with two float64 matrix products,
-and `aft_state_after` builds the state the chunked scan would have left.
+`aft_dense_attend` shares one (T, T) weight matrix among all channels and sums with two float64 matrix products;
+AFT-local on unpacked rows takes `aft_banded_attend` instead, a running sum for the keys beyond the window and a band
+of matrix products within it, O(T·s·d). `aft_state_after` builds the state the chunked scan would have left.
 
 Cache per token: AFT-full 2·L·d; AFT-local flat after s tokens (2·L·d·(s - 1) + 3·L·d in all); AFT-simple nothing
 (a state of 3·L·d). Positions: w is AFT's own position scheme and reads true positions (`position_ids`); absolute
@@ -373,6 +374,67 @@ def aft_dense_attend(
     return (numerator / torch.where(denominator > 0, denominator, 1.0)).float()
 
 
+def aft_banded_attend(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    positions: torch.LongTensor,
+    window: int,
+    bias: Bias,
+) -> torch.Tensor | None:
+    """AFT-local over whole unpacked rows from no state in O(T·s·d), where `aft_dense_attend` is O(T²·d). keys,
+    values `(B, T, d)` in float32; returns the weighted averages `(B, T, d)`, or None when the positions of a row's
+    valid tokens do not advance by one per token (then the window is not a band of indices: use the dense path).
+
+    Beyond the window w is 0, so a key s or more tokens back weighs exp(0 - r[t]) for every row t: those keys enter
+    as one running sum. With the shifts of `aft_dense_attend` (r[t] the row's largest reachable bias, c the row's
+    first valid key, float64), row t reads
+        exp(-r[t]) · sum_{t' <= t - s} exp(k[t'] - c) v[t']
+        + sum_{t - s < t' <= t} exp(w[t, t'] - r[t]) · exp(k[t'] - c) v[t'],
+    the first a cumulative sum read s rows later, the second a band: queries in blocks of s against the 2s keys of
+    their block and the one before, as one batched matrix product. Every term is positive (no cancellation), and
+    row t reads keys up to t only: later keys of its block meet it through a weight of exactly 0.
+    """
+    batch, length, width = keys.shape
+    index = torch.arange(length, device=keys.device)
+    if valid is None:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
+    first = valid.int().argmax(dim=1, keepdim=True)  # (B, 1): the first valid token (0 in an empty row)
+    offset = positions - index  # (B, T): constant over a row's valid tokens when they advance by one
+    if not (offset == offset.gather(1, first)).logical_or(~valid).all():
+        return None
+    shift = keys.gather(1, first[..., None].expand(-1, -1, width)).detach()  # (B, 1, d): c
+    exps = torch.exp((keys - shift).double().masked_fill(~valid[..., None], float("-inf")))  # (B, T, d)
+    weighted = torch.cat((exps * values.double(), exps), dim=-1)  # (B, T, 2d): numerator | denominator terms
+    # row t: the keys up to t - s (0 rows before s), and whether it has any
+    beyond = nn.functional.pad(weighted.cumsum(dim=1), (0, 0, window, 0))[:, :length]  # (B, T, 2d)
+    any_beyond = nn.functional.pad(valid.cumsum(dim=1), (window, 0))[:, :length] > 0  # (B, T)
+
+    blocks = (length + window - 1) // window
+    pad = blocks * window - length  # the last block filled with nothing, and one empty block before the first
+    weighted = nn.functional.pad(weighted, (0, 0, window, pad)).view(batch, blocks + 1, window, 2 * width)
+    band_terms = torch.cat((weighted[:, :-1], weighted[:, 1:]), dim=2)  # (B, N, 2s, 2d): block i - 1, then i
+    key_valid = nn.functional.pad(valid, (window, pad)).view(batch, blocks + 1, window)
+    key_valid = torch.cat((key_valid[:, :-1], key_valid[:, 1:]), dim=2)  # (B, N, 2s)
+    key_positions = nn.functional.pad(positions, (window, pad)).view(batch, blocks + 1, window)
+    key_positions = torch.cat((key_positions[:, :-1], key_positions[:, 1:]), dim=2)  # (B, N, 2s)
+    query_positions = nn.functional.pad(positions, (0, pad)).view(batch, blocks, window)  # (B, N, s)
+    w = bias(query_positions.flatten(0, 1), key_positions.flatten(0, 1)).view(batch, blocks, window, 2 * window)
+    # query i of a block (index i + s among its 2s keys) reads keys i + 1 .. i + s: the s tokens up to itself
+    offsets = torch.arange(2 * window, device=keys.device) - torch.arange(window, device=keys.device)[:, None]
+    in_band = (offsets > 0) & (offsets <= window)  # (s, 2s)
+    w = w.masked_fill(~(in_band & key_valid[:, :, None, :]), float("-inf"))  # (B, N, s, 2s)
+    row_max = w.amax(dim=-1).flatten(1)[:, :length]  # (B, T)
+    row_max = torch.maximum(row_max, torch.where(any_beyond, 0.0, float("-inf"))).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    band_weights = torch.exp(w - nn.functional.pad(row_max, (0, pad)).view(batch, blocks, window, 1)).double()
+    sums = (band_weights @ band_terms).flatten(1, 2)[:, :length]  # (B, T, 2d)
+    # a row with no key beyond the window may have a very negative max: its exp(-max) must not meet 0 as inf · 0
+    sums = sums + torch.where(any_beyond, torch.exp(-row_max.double()), 0.0)[..., None] * beyond
+    numerator, denominator = sums.split(width, dim=-1)
+    return (numerator / torch.where(denominator > 0, denominator, 1.0)).float()
+
+
 def aft_state_after(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -582,9 +644,13 @@ class ZooAFTAttention(ZooAttention):
         if self.mode == "simple" and not exporting:  # exporting: aft_attend's one-chunk graph
             averages, state = aft_simple_attend(keys, values, attention_mask.padding, state, chunk, documents)
         elif state is None and not exporting:  # from the first token (training, scoring, a prompt): all at once
-            averages = aft_dense_attend(
-                keys, values, attention_mask.padding, positions, window, self.pairwise_bias, documents
-            )
+            if window is not None and documents is None and not torch.compiler.is_compiling():
+                padding, bias = attention_mask.padding, self.pairwise_bias
+                averages = aft_banded_attend(keys, values, padding, positions, window, bias)
+            if averages is None:
+                averages = aft_dense_attend(
+                    keys, values, attention_mask.padding, positions, window, self.pairwise_bias, documents
+                )
             if not torch.compiler.is_compiling() and not torch.isfinite(averages).all():
                 averages = None  # keys beyond float64's range around their document's first key: the exact scan
             elif layer is not None:
