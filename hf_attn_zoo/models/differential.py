@@ -12,8 +12,9 @@ widths of MHA's and the parameter count matches; the paper's choice is half the 
 head width (the presets: 2, 3 and 6 heads for widths 64, 384 and 768). Key/value heads are shared by groups of query
 heads as in GQA (`num_key_value_heads`): head h reads key/value head h // (H / G) in both maps.
 
-Kernel: both maps go through transformers' `ALL_ATTENTION_FUNCTIONS` (eager and sdpa; flash attention wants values
-as wide as keys). Attention weights (`output_attentions`, eager) are `A1 - λ·A2`: their rows sum to `1 - λ`, not 1.
+Kernel: both maps go through transformers' `ALL_ATTENTION_FUNCTIONS` (eager and sdpa; `backend_attention` pads the
+d-wide queries and keys with zero channels for sdpa, whose fused kernel wants values as wide). Attention weights
+(`output_attentions`, eager) are `A1 - λ·A2`: their rows sum to `1 - λ`, not 1.
 Positions: RoPE rotates the d-wide maps; ALiBi, absolute positions and none work as for MHA.
 
 Cache per token: keys of both maps and values, 2·L·G·2d values (twice MHA's at the same head_dim; the same as MHA
@@ -30,8 +31,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
+from transformers.models.llama.modeling_llama import repeat_kv
 
 from .compat_zoo import update_cache
 from .configuration_zoo import ZooConfig, sized
@@ -185,18 +185,12 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
             # (B, G, S, 2d) each
             key, value = update_cache(cache, key, value, self.layer_idx, kwargs)
 
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
         maps = [
-            attention_interface(
-                self,
+            self.attend(
                 query[:, i::2],  # (B, H, T, d): map i of every head
                 key[..., i * self.head_dim : (i + 1) * self.head_dim],  # (B, G, S, d): map i of every key head
                 value,
                 attention_mask,
-                dropout=self.attention_dropout if self.training else 0.0,
-                scaling=self.scaling,
                 **kwargs,
             )
             for i in (0, 1)

@@ -129,19 +129,47 @@ class ZooMultiHeadAttention(ZooAttention):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The kernel: `(B, H, T, d_qk)`, `(B, G, S, d_qk)`, `(B, G, S, d_h)` -> `((B, T, H, d_h), weights)`."""
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        return attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        return backend_attention(self, query, key, value, attention_mask, **kwargs)
+
+
+FUSED_BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3")  # one head width for queries, keys and values
+
+
+def backend_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`module.config`'s attention function from transformers' `ALL_ATTENTION_FUNCTIONS`, at the module's scale and
+    dropout: `(B, H, T, d_qk)`, `(B, G, S, d_qk)`, `(B, G, S, d_v)` -> `((B, T, H, d_v), weights)`.
+
+    The fused kernels take one head width for queries, keys and values: PyTorch's flash attention on CPU refuses
+    others and SDPA then runs its math kernel, which builds every (T, S) score matrix (differential attention, whose
+    values are twice as wide as its keys, trained at 0.74x Llama's speed so). For those backends the narrower side
+    gets zero channels: zero query and key channels add nothing to any dot product (the scale is passed, not derived
+    from the width), and the outputs of zero value channels are dropped."""
+    implementation = module.config._attn_implementation
+    width, value_width = query.shape[-1], value.shape[-1]
+    if implementation in FUSED_BACKENDS and width != value_width:
+        if value_width < width:
+            value = nn.functional.pad(value, (0, width - value_width))
+        else:
+            query = nn.functional.pad(query, (0, value_width - width))
+            key = nn.functional.pad(key, (0, value_width - width))
+    output, weights = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=module.attention_dropout if module.training else 0.0,
+        scaling=module.scaling,
+        **kwargs,
+    )
+    return output[..., :value_width], weights
 
 
 class ZooMHAConfig(ZooConfig):

@@ -17,7 +17,8 @@ transformers' DeepSeek-V2 the latent is cached as the "keys" `(B, 1, S, kv_lora_
 
 Two exact ways to attend, chosen per forward:
 - *expanded* (training, prefill, chunks of several tokens): up-project every visible latent into per-head keys and
-  values and run softmax attention through transformers' `ALL_ATTENTION_FUNCTIONS` (eager, sdpa);
+  values and run softmax attention through transformers' `ALL_ATTENTION_FUNCTIONS` (eager, sdpa; for sdpa the
+  values are padded with zero channels to the keys' width, as its fused kernel wants: `backend_attention`);
 - *absorbed* (one-token decoding steps, the default there): `q_nopeᵀ (W_UK c) = (W_UKᵀ q_nope)ᵀ c` and
   `W_UV Σ p c = Σ p (W_UV c)`, so each head's query is folded into the latent's space and attends over the cached
   latents directly; the H heads become the H queries of one shared key/value head. The up-projection of the cache,
@@ -40,13 +41,12 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, _is_positive_int, sized
+from .mha import backend_attention
 from .modeling_zoo import (
     ZooAttention,
     ZooForCausalLM,
@@ -178,7 +178,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
     `(B, 1, S, rope)`; `attend_expanded` or `attend_absorbed` (module docstring) turns them into `(B, T, H, v)`."""
 
     family = "mla"
-    backends = ("eager", "sdpa")  # values narrower than keys: transformers' flash attention wants them equal
+    backends = ("eager", "sdpa")  # flash attention would take the padded values too; nothing here tests it
     compiles_fullgraph = True  # the path is chosen by the query length, a static shape
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     sized_by: ClassVar[dict[str, str]] = {
@@ -338,16 +338,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         key_nope, value = expanded.split((self.nope_dim, self.v_dim), dim=-1)
         key = torch.cat((key_nope, key_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)  # (B, H, S, nope + rope)
         query = torch.cat((query_nope, query_rope), dim=-1)  # (B, H, T, nope + rope)
-        return self.attention_function()(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        return backend_attention(self, query, key, value, attention_mask, **kwargs)
 
     def attend_absorbed(self, query_nope, query_rope, latent, key_rope, attention_mask, **kwargs):
         """One query per row (`T = 1`): attend over the latents directly, the up-projections folded into the query
@@ -365,22 +356,17 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         if attention_mask is not None:  # (B, 1 or H, 1, S) -> (B, 1, 1 or H, S): one mask row per head-query
             mask = attention_mask.transpose(1, 2)
             bias = bias.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else bias + mask
-        output, weights = self.attention_function()(
+        output, weights = backend_attention(
             self,
             query_latent,
             latent,
             latent,
             bias,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
             **{**kwargs, "is_causal": False},  # H queries of one step: each sees every key, none is "later"
         )  # (B, H, 1, r): the head-queries come back on the sequence axis
         output = torch.matmul(output, up_value.transpose(1, 2))  # (B, H, 1, r) @ (H, r, v) -> (B, H, 1, v)
         weights = weights.transpose(1, 2) if weights is not None else None  # (B, 1, H, S) -> (B, H, 1, S)
         return output.transpose(1, 2), weights  # (B, 1, H, v)
-
-    def attention_function(self):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
 
 
 class ZooMLAModel(ZooModel):
