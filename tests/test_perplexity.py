@@ -12,7 +12,8 @@ from transformers.modeling_outputs import CausalLMOutput
 import hf_attn_zoo.evaluation
 from hf_attn_zoo.cli import main
 from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
-from hf_attn_zoo.evaluation.perplexity import plan_windows, score_texts
+from hf_attn_zoo.errors import UserError
+from hf_attn_zoo.evaluation.perplexity import plan_windows, score_texts, window_lengths
 from hf_attn_zoo.models import VARIANTS
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 6, "short one", "x = [i * i for i in range(10)]  # squares\n" * 4]
@@ -100,6 +101,31 @@ def test_batching_does_not_change_the_result(position):
     four = score_texts(model, tokenizer, TEXTS, max_length=48, stride=16, batch_size=4)
     assert one.tokens == four.tokens
     assert four.perplexity == pytest.approx(one.perplexity, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "variant, positions, table",
+    [
+        ("linformer", "rope", "Linformer's E and F"),
+        ("linformer", "none", "Linformer's E and F"),
+        ("aft_local", "none", "AFT's position bias"),
+        ("aft_full", "sinusoidal", "AFT's position bias"),
+    ],
+)
+def test_weights_sized_by_positions_refuse_longer_windows_naming_them(variant, positions, table):
+    # the limit is the variant's weights, not its position type: "none" extrapolates, these tables do not
+    config = VARIANTS[variant].config("tiny", max_position_embeddings=64, position_embedding_type=positions)
+    with pytest.raises(UserError, match=f"max_length=128 is longer than the model's 64 positions: {table} has"):
+        window_lengths(config, 128, None)
+    assert window_lengths(config, 64, 32) == (64, 32)
+
+
+def test_positions_that_extrapolate_are_scored_past_the_table():
+    config = VARIANTS["aft_simple"].config("tiny", max_position_embeddings=64)  # no table, no positions
+    assert window_lengths(config, 128, None, notice=False) == (128, 128)
+    gqa = VARIANTS["gqa"].config("tiny", max_position_embeddings=64, position_embedding_type="rope")
+    with pytest.raises(UserError, match="its positions are rope"):
+        window_lengths(gqa, 128, None)
 
 
 def test_evaluate_module_loads_by_path_and_takes_checkpoints(tmp_path):

@@ -88,6 +88,13 @@ def window_lengths(
     if max_length is None:
         max_length = limit or 2048
     elif limit is not None and max_length > limit:
+        table = getattr(config, "position_table", "")  # weights sized by the positions bind whatever the positions
+        if table:
+            raise UserError(
+                f"max_length={max_length} is longer than the model's {limit} positions: {table} has one entry per "
+                f"position (max_position_embeddings) whatever its position type; use max_length <= {limit}, or a "
+                f"model built with a larger max_position_embeddings"
+            )
         positions = getattr(config, "position_embedding_type", None)
         if positions not in EXTRAPOLATING_POSITIONS:
             raise UserError(

@@ -86,6 +86,7 @@ class ZooAFTFullConfig(ZooAFTConfig):
     description = "AFT-full (Zhai 2021): per-channel weights exp(k + w), w = u·vᵀ, causal"
     cache_per_token = "2·L·d"
     aft_mode = "full"
+    position_table = "AFT's position bias"
     presets = sized(aft_bias_rank=(8, 64, 64))
 
     aft_bias_rank: int = 64
@@ -99,6 +100,7 @@ class ZooAFTLocalConfig(ZooAFTConfig):
     description = "AFT-local: the bias w within a window of s positions, 0 outside"
     cache_per_token = "0 past s tokens (state: 2·L·d·(s-1) + 3·L·d)"
     aft_mode = "local"
+    position_table = "AFT's position bias"
     presets = sized(aft_bias_rank=(8, 64, 64), aft_window=(16, 64, 128))
 
     aft_bias_rank: int = 64
@@ -633,8 +635,8 @@ class ZooAFTAttention(ZooAttention):
             if int(positions.max()) >= self.config.max_position_embeddings:
                 raise ValueError(
                     f"position {int(positions.max())} is beyond max_position_embeddings="
-                    f"{self.config.max_position_embeddings}, the size of AFT's position bias; shorten the input or "
-                    f"build the model with a larger max_position_embeddings."
+                    f"{self.config.max_position_embeddings}, the size of {self.config.position_table}; "
+                    f"shorten the input or build the model with a larger max_position_embeddings."
                 )
         layer = state_layer(cache, self.layer_idx, self.config.model_type)
         chunk, documents, state = self.config.query_chunk_size, attention_mask.documents, layer and layer.read()

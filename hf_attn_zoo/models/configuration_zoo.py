@@ -93,6 +93,9 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
     paper: ClassVar[str] = ""
     arxiv: ClassVar[tuple[str, ...]] = ()  # the paper's arXiv ids, for the Hub's paper links
     presets: ClassVar[dict[str, dict]] = sized()
+    # weights with one entry per position (Linformer's E and F, AFT's pairwise bias), which no input may outgrow
+    # whatever its position type; "" where nothing but the position type depends on max_position_embeddings
+    position_table: ClassVar[str] = ""
 
     vocab_size: int = 32000
     hidden_size: int = 512

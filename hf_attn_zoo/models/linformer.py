@@ -57,6 +57,7 @@ class ZooLinformerConfig(ZooChunkedConfig):
     description = "keys/values projected to k slots along the sequence (Wang 2020), causal by cumulative sums"
     cache_per_token = "0 (state: 2·L·G·k·d_h)"
     supported_position_types = ("rope", "sinusoidal", "learned", "none")
+    position_table = "Linformer's E and F"
 
     linformer_k: int = 64
     linformer_sharing: str = "headwise"
@@ -149,8 +150,8 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {int(positions.max())} is beyond max_position_embeddings="
-                f"{self.config.max_position_embeddings}, the width of Linformer's E and F; shorten the input or "
-                f"build the model with a larger max_position_embeddings."
+                f"{self.config.max_position_embeddings}, the width of {self.config.position_table}; "
+                f"shorten the input or build the model with a larger max_position_embeddings."
             )
         # (B, P, k, T) x 2, zero at padding
         key_columns, value_columns = self.linformer_projection.columns(positions, attention_mask.padding)
