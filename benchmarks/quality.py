@@ -514,8 +514,13 @@ def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
     close = missing(linformer, gqa)
     if close is None:
         gap = statistics.fmean(values(grouped, linformer)) / statistics.fmean(values(grouped, gqa)) - 1
-        near = compare(values(grouped, linformer), values(grouped, gqa)) <= 0 or gap <= 0.05
-        verdict = "holds" if near else "does not hold at this scale"
+        # close means a mean at most 5% above; further off, overlapping seeds cannot tell, apart ones say no
+        if gap <= 0.05:
+            verdict = "holds"
+        elif compare(values(grouped, linformer), values(grouped, gqa)) <= 0:
+            verdict = "within noise"
+        else:
+            verdict = "does not hold at this scale"
         close = f"{verdict}: {show(linformer)} against {show(gqa)}, {gap:+.1%}"
     return [
         (
@@ -533,8 +538,8 @@ def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
             missing(key("aft_local"), key("aft_simple")) or beats(key("aft_local"), key("aft_simple")),
         ),
         (
-            "Linformer comes close to full attention (Wang et al. 2020): within noise or at most 5% above gqa of the "
-            "same heads",
+            "Linformer comes close to full attention (Wang et al. 2020): its mean at most 5% above gqa of the same "
+            "heads",
             close,
         ),
     ]
