@@ -215,3 +215,61 @@ def test_banded_kernel_matches_the_chunked_scan(window):
     skipping = positions.clone()
     skipping[0, 5:] += 1  # a gap in row 0: the window is no longer a band of indices
     assert aft_banded_attend(keys, values, valid, skipping, window, bias) is None
+
+
+@pytest.mark.parametrize("window", [2, 5])
+def test_banded_kernel_trains_as_the_dense_path(window):
+    """Training runs through `aft_banded_attend`: its gradients for keys, values and the bias factors are the dense
+    path's (1e-5), padding included, where neither may leak a gradient."""
+    torch.manual_seed(0)
+    batch, length, width, rank = 2, 13, 6, 2
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, :3] = False
+    positions = (valid.cumsum(1) - 1).clamp(min=0)
+    weights = torch.randn(length, width)
+
+    def gradients(attend):
+        torch.manual_seed(1)
+        keys = (torch.randn(batch, length, width) * 2).requires_grad_()
+        values = torch.randn(batch, length, width).requires_grad_()
+        u, v = torch.randn(length, rank).requires_grad_(), torch.randn(length, rank).requires_grad_()
+
+        def bias(query_positions, key_positions):
+            return u[query_positions] @ v[key_positions].transpose(1, 2)
+
+        out = attend(keys, values, valid, positions, window, bias)
+        (out * weights).sum().backward()
+        return out, keys.grad, values.grad, u.grad, v.grad
+
+    banded, dense = gradients(aft_banded_attend), gradients(aft_dense_attend)
+    for got, expected in zip(banded, dense):
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-5)
+    assert torch.equal(banded[1][1, :3], torch.zeros(3, width))  # no gradient reaches padding keys
+
+
+def test_the_model_takes_the_band_past_two_windows_and_matches_the_dense_path(monkeypatch):
+    """AFT-local's forward routes a left-padded batch longer than 2s through the band, and its logits are those of the
+    dense path; a packed row (documents) and a batch of at most 2s tokens go dense."""
+    import hf_attn_zoo.models.aft as aft
+
+    model, calls = tiny_model("aft_local", aft_window=3), []
+    input_ids, attention_mask, _ = left_padded_batch(lengths=(11, 7, 4))
+
+    def spy(*args):
+        result = aft_banded_attend(*args)
+        calls.append(result is not None)  # None: declined, the dense path computes it
+        return result
+
+    monkeypatch.setattr(aft, "aft_banded_attend", spy)
+    with torch.no_grad():
+        banded = model(input_ids, attention_mask=attention_mask).logits
+        layers = model.config.num_hidden_layers
+        assert calls == [True] * layers
+        model(input_ids[:, -6:], attention_mask=attention_mask[:, -6:])  # 6 = 2s tokens: dense, not called
+        packed = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])  # two documents in one row: dense
+        model(input_ids[:1], position_ids=packed)
+        assert not any(calls[layers:])
+        monkeypatch.setattr(aft, "aft_banded_attend", lambda *args: None)  # the band declines: dense
+        dense = model(input_ids, attention_mask=attention_mask).logits
+    valid = attention_mask.bool()
+    torch.testing.assert_close(banded[valid], dense[valid], atol=ATOL, rtol=1e-5)

@@ -20,8 +20,9 @@ AFT-full is O(T²·d) by nature: per chunk of queries, the keys before the chunk
 per channel by their running max and per row by the bias' max), the keys inside it are computed exactly; it decodes
 from cached keys and values. From no state (training, scoring, a prompt) AFT-full and AFT-local skip the chunks:
 `aft_dense_attend` shares one (T, T) weight matrix among all channels and sums with two float64 matrix products;
-AFT-local on unpacked rows takes `aft_banded_attend` instead, a running sum for the keys beyond the window and a band
-of matrix products within it, O(T·s·d). `aft_state_after` builds the state the chunked scan would have left.
+AFT-local on unpacked rows longer than 2s takes `aft_banded_attend` instead, a running sum for the keys beyond the
+window and a band of matrix products within it, O(T·s·d). `aft_state_after` builds the state the chunked scan would
+have left.
 
 Cache per token: AFT-full 2·L·d; AFT-local flat after s tokens (2·L·d·(s - 1) + 3·L·d in all); AFT-simple nothing
 (a state of 3·L·d). Positions: w is AFT's own position scheme and reads true positions (`position_ids`); absolute
@@ -394,8 +395,9 @@ def aft_banded_attend(
         exp(-r[t]) · sum_{t' <= t - s} exp(k[t'] - c) v[t']
         + sum_{t - s < t' <= t} exp(w[t, t'] - r[t]) · exp(k[t'] - c) v[t'],
     the first a cumulative sum read s rows later, the second a band: queries in blocks of s against the 2s keys of
-    their block and the one before, as one batched matrix product. Every term is positive (no cancellation), and
-    row t reads keys up to t only: later keys of its block meet it through a weight of exactly 0.
+    their block and the one before, as one batched matrix product. Every weight is positive (the denominator sums
+    without cancellation), and row t reads keys up to t only: later keys of its block meet it through a weight of
+    exactly 0. The caller takes it when T > 2s, where the band is smaller than the dense (T, T) weights.
     """
     batch, length, width = keys.shape
     index = torch.arange(length, device=keys.device)
@@ -646,7 +648,9 @@ class ZooAFTAttention(ZooAttention):
         if self.mode == "simple" and not exporting:  # exporting: aft_attend's one-chunk graph
             averages, state = aft_simple_attend(keys, values, attention_mask.padding, state, chunk, documents)
         elif state is None and not exporting:  # from the first token (training, scoring, a prompt): all at once
-            if window is not None and documents is None and not torch.compiler.is_compiling():
+            # the band costs T·2s weights against the dense path's T²: worth it past two windows
+            banded = window is not None and length > 2 * window and documents is None
+            if banded and not torch.compiler.is_compiling():
                 padding, bias = attention_mask.padding, self.pairwise_bias
                 averages = aft_banded_attend(keys, values, padding, positions, window, bias)
             if averages is None:

@@ -132,9 +132,6 @@ class ZooMultiHeadAttention(ZooAttention):
         return backend_attention(self, query, key, value, attention_mask, **kwargs)
 
 
-FUSED_BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3")  # one head width for queries, keys and values
-
-
 def backend_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -148,12 +145,13 @@ def backend_attention(
 
     The fused kernels take one head width for queries, keys and values: PyTorch's flash attention on CPU refuses
     others and SDPA then runs its math kernel, which builds every (T, S) score matrix (differential attention, whose
-    values are twice as wide as its keys, trained at 0.74x Llama's speed so). For those backends the narrower side
-    gets zero channels: zero query and key channels add nothing to any dot product (the scale is passed, not derived
-    from the width), and the outputs of zero value channels are dropped."""
+    values are twice as wide as its keys, trained at 0.74x Llama's speed so), and transformers' flash path pads or
+    crops values to the query width. So for every backend but eager the narrower side gets zero channels: zero query
+    and key channels add nothing to any dot product (the scale is passed, not derived from the width), and the
+    outputs of zero value channels are dropped."""
     implementation = module.config._attn_implementation
     width, value_width = query.shape[-1], value.shape[-1]
-    if implementation in FUSED_BACKENDS and width != value_width:
+    if implementation != "eager" and width != value_width:
         if value_width < width:
             value = nn.functional.pad(value, (0, width - value_width))
         else:
