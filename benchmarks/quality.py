@@ -200,8 +200,17 @@ def base_fields(setup: QualitySetup, variant: str, positions: str, vocab_size: i
     the variant has them, and the positions the model is built for (see the module's docstring)."""
     entry = get_variant(variant)
     fields = {"hidden_size": setup.hidden_size, "num_hidden_layers": setup.num_hidden_layers, "vocab_size": vocab_size}
-    if "num_attention_heads" in entry.preset("small"):
-        fields["num_attention_heads"] = setup.num_attention_heads
+    heads = entry.preset("small").get("num_attention_heads")
+    if heads is not None:
+        # as many heads as the reference's presets give it, scaled: differential's presets halve them (a head has two
+        # query/key maps of the same width, as in the paper), so its heads stay as wide as the others'
+        reference = get_variant(setup.reference).preset("small")["num_attention_heads"]
+        if setup.num_attention_heads * heads % reference:
+            raise ValueError(
+                f"{variant}: --num_attention_heads {setup.num_attention_heads} gives it {heads}/{reference} as many, "
+                f"not a whole number; pick a multiple of {reference // math.gcd(heads, reference)}"
+            )
+        fields["num_attention_heads"] = setup.num_attention_heads * heads // reference
     defaults = entry.config_class()
     fields |= {name: value for name, value in setup.extra_fields().items() if hasattr(defaults, name)}
     fields["position_embedding_type"] = positions
