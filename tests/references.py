@@ -165,7 +165,8 @@ def additive_attention(attn, hidden, positions, attention_mask, config):
 def differential_attention(attn, hidden, positions, attention_mask, config):
     """Ye et al. 2024: per head, (softmax(Q1 K1ᵀ/√d) - λ softmax(Q2 K2ᵀ/√d)) V with λ = exp(λq1·λk1) - exp(λq2·λk2) +
     λ_init, λ_init = 0.8 - 0.6 exp(-0.3 (l - 1)) at layer l; each head's output RMS-normalised and scaled by
-    1 - λ_init. Map i of head h reads map i of key/value head h // (H / G); ALiBi biases both maps."""
+    1 - λ_init (unless `differential_head_norm` is False). Map i of head h reads map i of key/value head
+    h // (H / G); ALiBi biases both maps."""
     batch, length, _ = hidden.shape
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     q = attn.q_proj(hidden).view(batch, length, 2 * heads, d)  # map i of head h at 2h + i
@@ -193,6 +194,9 @@ def differential_attention(attn, hidden, positions, attention_mask, config):
                         scores = scores - slopes[h] * (positions[b, i] - positions[b])
                     maps.append(scores.masked_fill(~allowed[i], float("-inf")).softmax(-1))
                 head = (maps[0] - lam * maps[1]) @ v[b, :, g]  # (2d,)
+                if not config.differential_head_norm:  # the paper's ablation: the head's output as it is
+                    out[b, i, h] = head
+                    continue
                 normed = head / torch.sqrt((head**2).mean() + config.rms_norm_eps) * attn.head_norm.weight
                 out[b, i, h] = normed * (1 - lambda_init)
     return attn.o_proj(out.reshape(batch, length, heads * 2 * d))

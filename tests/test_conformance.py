@@ -279,6 +279,20 @@ def test_matches_naive_reference(name, position):
         torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
 
 
+def test_differential_without_its_head_norm_matches_the_reference():
+    """The paper's ablation: no per-head RMSNorm and no 1 - λ_init scale, and no norm weights to load."""
+    model = tiny_model("differential", differential_head_norm=False)
+    assert not any("head_norm" in name for name, _ in model.named_parameters())
+    input_ids, attention_mask, rows = left_padded_batch()
+    with torch.no_grad():
+        expected = references.causal_lm_logits(model, input_ids, attention_mask, references.differential_attention)
+        actual = model(input_ids, attention_mask=attention_mask).logits
+        normed = tiny_model("differential")(input_ids, attention_mask=attention_mask).logits
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
+    assert (actual - normed).abs().max() > 1e-2  # the norm was left out, not ignored
+
+
 # outputs ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, position", CASES)
 def test_optional_outputs_and_tuples(name, position):

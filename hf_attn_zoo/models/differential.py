@@ -5,7 +5,8 @@ maps and two key maps of width d (`head_dim`) and one value of width 2d. Its att
 softmax maps, `softmax(Q1 K1ᵀ/√d) - λ softmax(Q2 K2ᵀ/√d)`, so that attention noise common to both cancels. λ is
 learned through the paper's reparameterisation, `λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init`, with one set of four
 d-vectors per layer and `λ_init = 0.8 - 0.6·exp(-0.3·(l - 1))` at layer l (1-based). Each head's output goes through
-its own RMSNorm (the paper's per-head GroupNorm), scaled by `1 - λ_init`, before the output projection.
+its own RMSNorm (the paper's per-head GroupNorm), scaled by `1 - λ_init`, before the output projection
+(`differential_head_norm=False` leaves both out, as the paper's ablation without GroupNorm does).
 
 Sizes: `head_dim` d defaults to `hidden_size / (2·num_attention_heads)`, so queries, keys and values have the
 widths of MHA's and the parameter count matches; the paper's choice is half the heads of a Transformer at the same
@@ -64,7 +65,9 @@ class CachedHeadWidth:
 
 
 class ZooDifferentialConfig(ZooConfig):
-    """`head_dim` is the width d of each query/key map; values are 2d wide."""
+    """`head_dim` is the width d of each query/key map; values are 2d wide. `differential_head_norm`: each head's
+    RMSNorm and its 1 - λ_init scale (the paper's; False for its ablation without GroupNorm, the heads' outputs as
+    they are)."""
 
     model_type = "zoo_differential"
     paper = 'Ye et al. 2024, "Differential Transformer"'
@@ -72,6 +75,8 @@ class ZooDifferentialConfig(ZooConfig):
     description = "two softmax maps per head, (A1 - λ·A2)V with a learned λ, per-head RMSNorm (Ye 2024)"
     cache_per_token = "2·L·G·2d_h"
     presets = sized(num_attention_heads=(2, 3, 6))
+
+    differential_head_norm: bool = True
 
     def __post_init__(self, **kwargs):
         heads, hidden = self.num_attention_heads, self.hidden_size
@@ -152,7 +157,7 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
             nn.Parameter(torch.empty(self.head_dim)) for _ in range(4)
         )
         self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
-        self.head_norm = ZooRMSNorm(self.value_dim, eps=config.rms_norm_eps)
+        self.head_norm = ZooRMSNorm(self.value_dim, eps=config.rms_norm_eps) if config.differential_head_norm else None
 
     def init_parameters(self, config: ZooDifferentialConfig) -> None:
         for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
@@ -203,7 +208,8 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
             output = torch.matmul(weights, repeat_kv(value, self.num_key_value_groups)).transpose(1, 2)
         else:
             output = maps[0][0] - lam * maps[1][0]  # (A1 - λ·A2) V, the value product being linear
-        output = self.head_norm(output) * (1.0 - self.lambda_init)  # per-head RMSNorm, as the paper's GroupNorm
+        if self.head_norm is not None:
+            output = self.head_norm(output) * (1.0 - self.lambda_init)  # per-head RMSNorm, as the paper's GroupNorm
         return self.o_proj(output.reshape(batch, length, -1)), weights
 
 
