@@ -130,17 +130,24 @@ def test_simple_kernel_refuses_documents_with_a_state():
         aft_simple_attend(keys, keys, None, state, 4, torch.zeros(1, 4, dtype=torch.long))
 
 
-@pytest.mark.parametrize("window", [None, 1, 3])
-def test_dense_kernel_matches_the_chunked_scan(window):
-    """`aft_dense_attend` (the whole sequence as two matrix products) against `aft_attend` in float64, with left
-    padding and packed documents, for AFT-full (no window) and AFT-local."""
+def kernel_inputs(batch: int, length: int, width: int, rank: int = 2):
+    """Keys (of a wide range), values and a rank-`rank` pairwise bias u[t]·v[t'] over `length` positions."""
     torch.manual_seed(0)
-    batch, length, width, rank = 3, 11, 8, 2
     keys, values = torch.randn(batch, length, width) * 3, torch.randn(batch, length, width)
     u, v = torch.randn(length, rank), torch.randn(length, rank)
 
     def bias(query_positions, key_positions):
         return u[query_positions] @ v[key_positions].transpose(1, 2)
+
+    return keys, values, bias
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_dense_kernel_matches_the_chunked_scan(window):
+    """`aft_dense_attend` (the whole sequence as two matrix products) against `aft_attend` in float64, with left
+    padding and packed documents, for AFT-full (no window) and AFT-local."""
+    batch, length, width = 3, 11, 8
+    keys, values, bias = kernel_inputs(batch, length, width)
 
     def reference(keys, values, valid, positions, with_state=False):
         double_bias = lambda *positions: bias(*positions).double()  # noqa: E731
@@ -189,13 +196,8 @@ def test_banded_kernel_matches_the_chunked_scan(window):
     """`aft_banded_attend` (a running sum beyond the window, a band of matrix products within it) against
     `aft_attend` in float64, with left padding, a length that is not a multiple of the window, and a window as long
     as the sequence or longer; positions that do not advance by one per token are left to the dense path."""
-    torch.manual_seed(0)
-    batch, length, width, rank = 3, 11, 8, 2
-    keys, values = torch.randn(batch, length, width) * 3, torch.randn(batch, length, width)
-    u, v = torch.randn(length, rank), torch.randn(length, rank)
-
-    def bias(query_positions, key_positions):
-        return u[query_positions] @ v[key_positions].transpose(1, 2)
+    batch, length, width = 3, 11, 8
+    keys, values, bias = kernel_inputs(batch, length, width)
 
     valid = torch.ones(batch, length, dtype=torch.bool)
     valid[1, :4] = False
