@@ -118,6 +118,9 @@ def test_weights_sized_by_positions_refuse_longer_windows_naming_them(variant, p
     with pytest.raises(UserError, match=f"max_length=128 is longer than the model's 64 positions: {table} has"):
         window_lengths(config, 128, None)
     assert window_lengths(config, 64, 32) == (64, 32)
+    model = VARIANTS[variant].causal_lm_class(config).eval()  # the model refuses the same, naming the same table
+    with pytest.raises(ValueError, match=f"position 64 is beyond max_position_embeddings=64, the size of {table}"):
+        model(torch.ones(1, 65, dtype=torch.long))
 
 
 def test_positions_that_extrapolate_are_scored_past_the_table():

@@ -634,12 +634,7 @@ class ZooAFTAttention(ZooAttention):
         keys, values = self.k_proj(hidden_states).float(), self.v_proj(hidden_states).float()  # (B, T, d)
         positions = kwargs["position_ids"].expand(batch, -1)  # (B, T) true positions
         if self.mode != "simple" and not torch.compiler.is_compiling():
-            if int(positions.max()) >= self.config.max_position_embeddings:
-                raise ValueError(
-                    f"position {int(positions.max())} is beyond max_position_embeddings="
-                    f"{self.config.max_position_embeddings}, the size of {self.config.position_table}; "
-                    f"shorten the input or build the model with a larger max_position_embeddings."
-                )
+            self.config.check_position_table(int(positions.max()))
         layer = state_layer(cache, self.layer_idx, self.config.model_type)
         chunk, documents, state = self.config.query_chunk_size, attention_mask.documents, layer and layer.read()
         exporting = torch.compiler.is_exporting()

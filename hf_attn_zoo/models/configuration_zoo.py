@@ -234,6 +234,15 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
             )
         self.rope_parameters = None
 
+    def check_position_table(self, last_position: int) -> None:
+        """ValueError naming `position_table` where a token at `last_position` lies past it."""
+        if last_position >= self.max_position_embeddings:
+            raise ValueError(
+                f"position {last_position} is beyond max_position_embeddings={self.max_position_embeddings}, the "
+                f"size of {self.position_table}; shorten the input or build the model with a larger "
+                f"max_position_embeddings."
+            )
+
     def _check_variant(self) -> None:
         """Variant-specific checks; subclasses override."""
 

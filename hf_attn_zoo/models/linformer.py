@@ -147,12 +147,8 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         batch, length = hidden_states.shape[:2]
         query, key, value = self.project(hidden_states, position_embeddings)  # (B, H, T, d), (B, G, T, d) x 2
         positions = kwargs["position_ids"].expand(batch, -1)  # (B, T) true positions
-        if not torch.compiler.is_compiling() and int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond max_position_embeddings="
-                f"{self.config.max_position_embeddings}, the width of {self.config.position_table}; "
-                f"shorten the input or build the model with a larger max_position_embeddings."
-            )
+        if not torch.compiler.is_compiling():
+            self.config.check_position_table(int(positions.max()))
         # (B, P, k, T) x 2, zero at padding
         key_columns, value_columns = self.linformer_projection.columns(positions, attention_mask.padding)
         documents = attention_mask.documents
