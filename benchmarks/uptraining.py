@@ -132,7 +132,14 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
     test_texts = [Path(f).read_text(encoding="utf-8") for f in splits["test"]]
     data = [] if setup.recipe_data else ["--data.train_files", *splits["train"]]
     data += [] if setup.recipe_data else ["--data.validation_files", *splits["validation"]]
-    results: list[dict] = []
+    finished: dict[str, dict] = {}  # name -> result of every run done, this time or before
+    plan: list[str] = []  # every run's name in the order the table lists it
+
+    def write() -> None:
+        # every finished run in plan order, the ones a resumed experiment has not reached again included
+        results = [finished[name] for name in plan if name in finished]
+        plots = {"alpha.png": lambda path: plot(results, path), "parent.png": lambda path: plot_parent(results, path)}
+        write_results(out, "results", {"setup": asdict(setup), "results": results}, table(results), plots, log=log)
 
     def run(name: str, recipe: str, overrides: list[str], **extra) -> dict:
         result_file = out / "runs" / f"{name}.json"
@@ -165,13 +172,13 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
                 f"{name}: test perplexity {result['test_perplexity']:.2f} after {result['steps']} steps "
                 f"({result['minutes']:.1f} min)"
             )
-        results.append(result)
-        plots = {"alpha.png": lambda path: plot(results, path), "parent.png": lambda path: plot_parent(results, path)}
-        write_results(out, "results", {"setup": asdict(setup), "results": results}, table(results), plots, log=log)
+        finished[name] = result
+        write()
         return result
 
     parent_model, _, parent_training = load_recipe(setup.parent_recipe, ["--training.output_dir", str(out)])
     steps = max(1, round(parent_training.max_steps * setup.scale))
+    plan.append("parent-mha")
     parent = run("parent-mha", setup.parent_recipe, ["--training.max_steps", str(steps)], method="-", alpha=1.0)
     if "epochs" not in parent:  # how often the parent saw each training token
         tokenizer = AutoTokenizer.from_pretrained(out / "parent-mha" / "final")
@@ -180,11 +187,12 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
         write_atomically(out / "runs" / "parent-mha.json", json.dumps(parent, indent=2))
     parent_final = str(out / "parent-mha" / "final")
     heads = json.loads((out / "parent-mha" / "final" / "config.json").read_text())["num_attention_heads"]
+    jobs: list[tuple[str, str, list[str], str, float]] = []  # (name, recipe, overrides, method, alpha)
     for alpha in setup.alphas:
         if alpha > 0:  # the control: the parent itself trained on as many more tokens by the same recipe, unpooled
             continued = ["--model.init_from", parent_final, "--model.convert_num_key_value_heads", str(heads)]
             continued += ["--model.uptrain_fraction", str(alpha)]
-            run(f"mha-continued-alpha{alpha:g}", setup.uptrain_recipe, continued, method="continued", alpha=alpha)
+            jobs.append((f"mha-continued-alpha{alpha:g}", setup.uptrain_recipe, continued, "continued", alpha))
         for groups in setup.groups:
             for method in setup.methods:
                 if grouping_changes_nothing(groups, method):
@@ -192,7 +200,7 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
                 conversion = ["--model.init_from", parent_final, "--model.convert_num_key_value_heads", str(groups)]
                 conversion += ["--model.convert_method", method, "--model.uptrain_fraction", str(alpha)]
                 name = f"{label(groups)}-{method}-alpha{alpha:g}"
-                run(name, setup.uptrain_recipe, conversion, method=method, alpha=alpha)
+                jobs.append((name, setup.uptrain_recipe, conversion, method, alpha))
     if setup.from_scratch:  # the parent's recipe and schedule, shortened to α of its steps, then at its full length
         for alpha in [*(a for a in setup.alphas if a > 0), 1.0]:
             for groups in (4, 1):
@@ -200,8 +208,15 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
                 overrides = ["--model.variant", "mqa" if groups == 1 else "gqa", "--model.config", config]
                 overrides += ["--training.max_steps", str(max(1, round(steps * alpha)))]
                 name = f"{label(groups)}-scratch" + (f"-alpha{alpha:g}" if alpha < 1 else "")
-                run(name, setup.parent_recipe, overrides, method="scratch", alpha=alpha)
-    return results
+                jobs.append((name, setup.parent_recipe, overrides, "scratch", alpha))
+    plan.extend(name for name, *_ in jobs)
+    for name, *_ in jobs:  # read back what an earlier, stopped experiment finished, so the tables show it at once
+        if (out / "runs" / f"{name}.json").is_file():
+            finished[name] = json.loads((out / "runs" / f"{name}.json").read_text())
+    write()
+    for name, recipe, overrides, method, alpha in jobs:
+        run(name, recipe, overrides, method=method, alpha=alpha)
+    return [finished[name] for name in plan]
 
 
 def table(results: list[dict]) -> str:

@@ -248,6 +248,20 @@ def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(uptraining, "run_training", lambda *a, **k: pytest.fail("a finished run ran again"))
     assert [r["name"] for r in uptraining.run_experiment(setup, log=lambda line: None)] == names
 
+    # a rerun that stops at its first unfinished run still tables every run finished before, later ones included
+    (tmp_path / "out" / "runs" / "mha-continued-alpha0.5.json").unlink()
+    (tmp_path / "out" / "results.md").unlink()
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(uptraining, "run_training", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        uptraining.run_experiment(setup, log=lambda line: None)
+    written = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert [r["name"] for r in written] == [name for name in names if name != "mha-continued-alpha0.5"]
+    assert "| 1 | scratch | " in (tmp_path / "out" / "results.md").read_text()
+
 
 def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
     from hf_attn_zoo.cli import benchmark_script
