@@ -115,10 +115,16 @@ def _keep_all(
     return q_idx.new_ones((), dtype=torch.bool)
 
 
-@functools.cache
+_SIGNATURES: dict[Callable, frozenset[str]] = {}
+
+
+@torch.compiler.assume_constant_result
 def _takes(function: Callable, keyword: str) -> bool:
-    """Whether `function` has a parameter `keyword`: asked once per function, not at every forward."""
-    return keyword in inspect.signature(function).parameters
+    """Whether `function` has a parameter `keyword`: its signature read once, not at every forward. A constant to
+    torch.compile (a `functools.cache` wrapper here would be traced through, with a warning at every compile)."""
+    if function not in _SIGNATURES:
+        _SIGNATURES[function] = frozenset(inspect.signature(function).parameters)
+    return keyword in _SIGNATURES[function]
 
 
 def build_mask(mask_function: Callable, allow_is_causal_skip: bool = True, **kwargs) -> torch.Tensor | None:
