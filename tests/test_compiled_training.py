@@ -1,11 +1,12 @@
 """Compiled training: `training.torch_compile: true` in a recipe trains through torch.compile (inductor) with the
 losses of eager training, and every variant's training step compiles to one graph (no graph breaks)."""
 
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters, warn_once_cache
 
 from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.training import load_recipe, run_training
@@ -51,3 +52,16 @@ def test_every_variant_trains_compiled_in_one_graph(name):
     eager = training_losses(tiny_model(name).train(), input_ids)
     compiled = training_losses(torch.compile(tiny_model(name).train(), fullgraph=True), input_ids)
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=0, atol=ATOL)
+
+
+def test_compiling_traces_no_cache_wrapper():
+    """The zoo's transformers-signature probe is a constant to dynamo: tracing a `functools.cache` wrapper (as it
+    once did) draws a dynamo warning at every compile. One graph, and the loss of eager."""
+    model = tiny_model("gqa")
+    input_ids = torch.arange(2 * 16).reshape(2, 16) % model.config.vocab_size  # (B, T)
+    warn_once_cache.clear()  # dynamo warns once per process: an earlier compile must not hide a warning here
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, fullgraph=True)(input_ids, labels=input_ids).loss
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    torch.testing.assert_close(compiled, model(input_ids, labels=input_ids).loss, rtol=0, atol=ATOL)
