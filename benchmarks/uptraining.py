@@ -143,35 +143,34 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
 
     def run(name: str, recipe: str, overrides: list[str], **extra) -> dict:
         result_file = out / "runs" / f"{name}.json"
-        if result_file.is_file():
-            result = json.loads(result_file.read_text())
-        else:
-            start = time.perf_counter()
-            overrides = [*data, "--training.output_dir", str(out / name), *overrides]
-            if complete_checkpoints(out / name):
-                overrides += ["--training.resume_from_checkpoint", "latest"]
-            model_args, data_args, training_args = load_recipe(recipe, overrides)
-            summary = run_training(model_args, data_args, training_args)
-            final = Path(summary["final_model"])
-            result = {
-                "name": name,
-                "groups": json.loads((final / "config.json").read_text())["num_key_value_heads"],
-                **extra,
-                "steps": summary["steps"],
-                "train_tokens": summary["train_tokens"],
-                "validation_perplexity": summary["validation_perplexity"],
-                "test_perplexity": held_out_perplexity(final, test_texts, data_args.block_size),
-                "minutes": round((time.perf_counter() - start) / 60, 2),
-                "validation_curve": [
-                    {"step": e["step"], "perplexity": round(math.exp(e["eval_loss"]), 3)}
-                    for e in summary["evaluations"]
-                ],
-            }
-            write_atomically(result_file, json.dumps(result, indent=2))
-            log(
-                f"{name}: test perplexity {result['test_perplexity']:.2f} after {result['steps']} steps "
-                f"({result['minutes']:.1f} min)"
-            )
+        if result_file.is_file():  # finished before; in the table written once the plan is known
+            finished[name] = json.loads(result_file.read_text())
+            return finished[name]
+        start = time.perf_counter()
+        overrides = [*data, "--training.output_dir", str(out / name), *overrides]
+        if complete_checkpoints(out / name):
+            overrides += ["--training.resume_from_checkpoint", "latest"]
+        model_args, data_args, training_args = load_recipe(recipe, overrides)
+        summary = run_training(model_args, data_args, training_args)
+        final = Path(summary["final_model"])
+        result = {
+            "name": name,
+            "groups": json.loads((final / "config.json").read_text())["num_key_value_heads"],
+            **extra,
+            "steps": summary["steps"],
+            "train_tokens": summary["train_tokens"],
+            "validation_perplexity": summary["validation_perplexity"],
+            "test_perplexity": held_out_perplexity(final, test_texts, data_args.block_size),
+            "minutes": round((time.perf_counter() - start) / 60, 2),
+            "validation_curve": [
+                {"step": e["step"], "perplexity": round(math.exp(e["eval_loss"]), 3)} for e in summary["evaluations"]
+            ],
+        }
+        write_atomically(result_file, json.dumps(result, indent=2))
+        log(
+            f"{name}: test perplexity {result['test_perplexity']:.2f} after {result['steps']} steps "
+            f"({result['minutes']:.1f} min)"
+        )
         finished[name] = result
         write()
         return result
