@@ -142,8 +142,10 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
         write_results(out, "results", {"setup": asdict(setup), "results": results}, table(results), plots, log=log)
 
     def run(name: str, recipe: str, overrides: list[str], **extra) -> dict:
+        if name in finished:  # read back with the plan, before the first new run
+            return finished[name]
         result_file = out / "runs" / f"{name}.json"
-        if result_file.is_file():  # finished before; in the table written once the plan is known
+        if result_file.is_file():  # the parent, finished before
             finished[name] = json.loads(result_file.read_text())
             return finished[name]
         start = time.perf_counter()
