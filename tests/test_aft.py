@@ -5,13 +5,14 @@ import torch
 
 from hf_attn_zoo.models.aft import (
     aft_attend,
+    aft_band_fits,
     aft_banded_attend,
     aft_dense_attend,
     aft_simple_attend,
     aft_state_after,
 )
 
-from conftest import ATOL, left_padded_batch, returned_cache, tiny_model
+from conftest import ATOL, left_padded_batch, positions_from_mask, returned_cache, tiny_model
 
 
 @pytest.mark.parametrize("scale", [400.0, 40_000.0])
@@ -214,9 +215,10 @@ def test_banded_kernel_matches_the_chunked_scan(window):
     later = aft_banded_attend(changed, values, valid, positions, window, bias)
     assert torch.equal(later[:, :7], got[:, :7])  # exactly causal
 
+    assert aft_band_fits(valid, positions) and aft_band_fits(None, torch.arange(length).expand(batch, -1) + 3)
     skipping = positions.clone()
     skipping[0, 5:] += 1  # a gap in row 0: the window is no longer a band of indices
-    assert aft_banded_attend(keys, values, valid, skipping, window, bias) is None
+    assert not aft_band_fits(valid, skipping) and not aft_band_fits(None, skipping)
 
 
 @pytest.mark.parametrize("window", [2, 5])
@@ -258,20 +260,39 @@ def test_the_model_takes_the_band_past_two_windows_and_matches_the_dense_path(mo
     input_ids, attention_mask, _ = left_padded_batch(lengths=(11, 7, 4))
 
     def spy(*args):
-        result = aft_banded_attend(*args)
-        calls.append(result is not None)  # None: declined, the dense path computes it
-        return result
+        calls.append(args)
+        return aft_banded_attend(*args)
 
     monkeypatch.setattr(aft, "aft_banded_attend", spy)
     with torch.no_grad():
         banded = model(input_ids, attention_mask=attention_mask).logits
         layers = model.config.num_hidden_layers
-        assert calls == [True] * layers
+        assert len(calls) == layers
         model(input_ids[:, -6:], attention_mask=attention_mask[:, -6:])  # 6 = 2s tokens: dense, not called
         packed = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])  # two documents in one row: dense
         model(input_ids[:1], position_ids=packed)
-        assert not any(calls[layers:])
-        monkeypatch.setattr(aft, "aft_banded_attend", lambda *args: None)  # the band declines: dense
+        model(input_ids[:1], position_ids=torch.arange(11)[None] * 2)  # positions two apart: not a band, dense
+        assert len(calls) == layers
+        monkeypatch.setattr(aft, "aft_band_fits", lambda *args: torch.tensor(False))  # as if it were not a band
         dense = model(input_ids, attention_mask=attention_mask).logits
     valid = attention_mask.bool()
     torch.testing.assert_close(banded[valid], dense[valid], atol=ATOL, rtol=1e-5)
+
+
+def test_compiled_aft_local_chooses_the_band_in_the_graph():
+    """Under torch.compile the band's condition is data: `torch.cond` keeps both paths in one graph (no graph break),
+    and the compiled model gives eager's logits and gradients whichever it takes, a band or positions two apart."""
+    torch._dynamo.reset()
+    model = tiny_model("aft_local", aft_window=3).train()
+    compiled = torch.compile(model, fullgraph=True)
+    input_ids, attention_mask, _ = left_padded_batch(lengths=(11, 7, 4))
+    valid = attention_mask.bool()
+    for position_ids in (positions_from_mask(attention_mask), torch.arange(11).expand(3, -1) * 2):
+        results = []
+        for run in (model, compiled):
+            model.zero_grad()
+            logits = run(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            logits[valid].square().mean().backward()
+            results.append((logits[valid], model.model.layers[0].self_attn.position_bias_u.weight.grad))
+        for got, expected in zip(results[1], results[0]):
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-5)

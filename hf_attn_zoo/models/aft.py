@@ -377,6 +377,18 @@ def aft_dense_attend(
     return (numerator / torch.where(denominator > 0, denominator, 1.0)).float()
 
 
+def aft_band_fits(valid: torch.Tensor | None, positions: torch.LongTensor) -> torch.Tensor:
+    """Whether AFT-local's window is a band of indices, so that `aft_banded_attend` applies: the positions of every
+    row's valid tokens advance by one per token. valid `(B, T)` or None, positions `(B, T)`; a 0-dim bool tensor (a
+    graph under torch.compile takes it as data, through `torch.cond`)."""
+    index = torch.arange(positions.shape[1], device=positions.device)
+    offset = positions - index  # (B, T): constant over a row's valid tokens when they advance by one
+    if valid is None:
+        return (offset == offset[:, :1]).all()
+    first = valid.int().argmax(dim=1, keepdim=True)  # (B, 1): the first valid token (0 in an empty row)
+    return (offset == offset.gather(1, first)).logical_or(~valid).all()
+
+
 def aft_banded_attend(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -384,10 +396,10 @@ def aft_banded_attend(
     positions: torch.LongTensor,
     window: int,
     bias: Bias,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """AFT-local over whole unpacked rows from no state in O(T·s·d), where `aft_dense_attend` is O(T²·d). keys,
-    values `(B, T, d)` in float32; returns the weighted averages `(B, T, d)`, or None when the positions of a row's
-    valid tokens do not advance by one per token (then the window is not a band of indices: use the dense path).
+    values `(B, T, d)` in float32; returns the weighted averages `(B, T, d)`. Only where `aft_band_fits`: when the
+    positions of a row's valid tokens do not advance by one per token, the window is not a band of indices.
 
     Beyond the window w is 0, so a key s or more tokens back weighs exp(0 - r[t]) for every row t: those keys enter
     as one running sum. With the shifts of `aft_dense_attend` (r[t] the row's largest reachable bias, c the row's
@@ -400,13 +412,9 @@ def aft_banded_attend(
     exactly 0. The caller takes it when T > 2s, where the band is smaller than the dense (T, T) weights.
     """
     batch, length, width = keys.shape
-    index = torch.arange(length, device=keys.device)
     if valid is None:
         valid = torch.ones(batch, length, dtype=torch.bool, device=keys.device)
     first = valid.int().argmax(dim=1, keepdim=True)  # (B, 1): the first valid token (0 in an empty row)
-    offset = positions - index  # (B, T): constant over a row's valid tokens when they advance by one
-    if not (offset == offset.gather(1, first)).logical_or(~valid).all():
-        return None
     shift = keys.gather(1, first[..., None].expand(-1, -1, width)).detach()  # (B, 1, d): c
     exps = torch.exp((keys - shift).double().masked_fill(~valid[..., None], float("-inf")))  # (B, T, d)
     weighted = torch.cat((exps * values.double(), exps), dim=-1)  # (B, T, 2d): numerator | denominator terms
@@ -643,15 +651,24 @@ class ZooAFTAttention(ZooAttention):
         if self.mode == "simple" and not exporting:  # exporting: aft_attend's one-chunk graph
             averages, state = aft_simple_attend(keys, values, attention_mask.padding, state, chunk, documents)
         elif state is None and not exporting:  # from the first token (training, scoring, a prompt): all at once
+            padding, bias = attention_mask.padding, self.pairwise_bias
+
+            def dense(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                return aft_dense_attend(keys, values, padding, positions, window, bias, documents)
+
             # the band costs T·2s weights against the dense path's T²: worth it past two windows
-            banded = window is not None and length > 2 * window and documents is None
-            if banded and not torch.compiler.is_compiling():
-                padding, bias = attention_mask.padding, self.pairwise_bias
-                averages = aft_banded_attend(keys, values, padding, positions, window, bias)
-            if averages is None:
-                averages = aft_dense_attend(
-                    keys, values, attention_mask.padding, positions, window, self.pairwise_bias, documents
-                )
+            if window is not None and length > 2 * window and documents is None:
+
+                def banded(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+                    return aft_banded_attend(keys, values, padding, positions, window, bias)
+
+                fits = aft_band_fits(padding, positions)
+                if torch.compiler.is_compiling():  # the choice depends on data: both branches in one graph
+                    averages = torch.cond(fits, banded, dense, (keys, values))
+                else:
+                    averages = (banded if fits else dense)(keys, values)
+            else:
+                averages = dense(keys, values)
             if not torch.compiler.is_compiling() and not torch.isfinite(averages).all():
                 averages = None  # keys beyond float64's range around their document's first key: the exact scan
             elif layer is not None:
