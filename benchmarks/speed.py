@@ -195,6 +195,14 @@ class TrainingThroughputSetup(Results):
     )
     steps: int = field(default=3, metadata={"help": "timed steps per sample; the fastest counts"})
     repeats: int = field(default=3, metadata={"help": "alternating samples per model"})
+    max_position_embeddings: int = field(
+        default=2048,
+        metadata={
+            "help": "positions every model is sized for (at least the longest shape), whichever shapes one run "
+            "measures, so that rows of separate runs time the same model (Linformer's and AFT's parameters grow "
+            "with it)"
+        },
+    )
 
     def parsed_shapes(self) -> list[tuple[int, int]]:
         shapes = []
@@ -216,7 +224,8 @@ def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], Non
     rows = []
     for name in setup.variants or list(VARIANTS):
         variant = get_variant(name)
-        positions = max(variant.preset(setup.size).get("max_position_embeddings", 0), *(n for _, n in shapes))
+        preset = variant.preset(setup.size).get("max_position_embeddings", 0)
+        positions = max(preset, setup.max_position_embeddings, *(n for _, n in shapes))
         torch.manual_seed(0)
         zoo = variant.build(setup.size, vocab_size=setup.vocab_size, max_position_embeddings=positions)
         llama = LlamaForCausalLM(llama_like(zoo.config))

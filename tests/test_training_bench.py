@@ -39,6 +39,19 @@ def test_rows_per_mode_and_shape_and_one_table_line_per_shape(tmp_path):
     assert "| `aft_full` | " in (tmp_path / "training_throughput_tiny.md").read_text()
 
 
+def test_runs_over_different_shapes_time_one_model():
+    """Positions, and with them AFT's and Linformer's parameters, are sized by --max_position_embeddings rather than
+    by the shapes one run measures: a row at 8 tokens and a row at 300 measured apart describe the same model."""
+    rows = []
+    for shape in ("1x8", "1x300"):
+        setup = speed.TrainingThroughputSetup(
+            variants=["aft_full"], size="tiny", vocab_size=64, shapes=[shape], modes=["eager"], steps=1, repeats=1
+        )
+        setup.max_position_embeddings = 320  # above the tiny preset's 256, so that a shape of 300 fits either way
+        rows += speed.training_throughput(setup, log=lambda line: None)
+    assert rows[0]["parameters"] == rows[1]["parameters"]
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [("shapes", ["256"], "BATCHxLENGTH"), ("shapes", ["0x8"], "BATCHxLENGTH"), ("modes", ["jit"], "--modes jit")],
