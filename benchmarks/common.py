@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from transformers import HfArgumentParser, LlamaConfig
 
 from hf_attn_zoo.checkpoints import write_atomically
+from hf_attn_zoo.models import get_variant
 
 FOLDER = Path(__file__).resolve().parent
 REPOSITORY = FOLDER.parent
@@ -105,7 +106,9 @@ def compare(samples: dict[str, list[float]], prefix: str) -> dict[str, float]:
 
 def llama_like(config, attn_implementation: str = "sdpa") -> LlamaConfig:
     """The config of the same-size baseline: `LlamaForCausalLM` with a zoo config's width, depth, MLP, head counts,
-    vocabulary and positions."""
+    vocabulary and positions. Llama's heads are as wide as the variant's value heads (the width of a head's output,
+    which sizes o_proj): `head_dim` but for differential attention, whose `head_dim` is one of a head's two maps; a
+    Llama at that width would have attention half as wide as the variant's and 13% fewer parameters."""
     return LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -113,7 +116,7 @@ def llama_like(config, attn_implementation: str = "sdpa") -> LlamaConfig:
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
+        head_dim=get_variant(config.model_type).attention_class.value_width(config),
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings,
         attn_implementation=attn_implementation,

@@ -4,8 +4,10 @@ Llama of the same size, compiled beside eager, and its options checked before an
 import json
 
 import pytest
+from transformers import LlamaForCausalLM
 
 from hf_attn_zoo.cli import benchmark_script
+from hf_attn_zoo.models import get_variant
 
 speed = benchmark_script("speed")  # benchmarks/speed.py, imported from the repository
 
@@ -50,6 +52,18 @@ def test_runs_over_different_shapes_time_one_model():
         setup.max_position_embeddings = 320  # above the tiny preset's 256, so that a shape of 300 fits either way
         rows += speed.training_throughput(setup, log=lambda line: None)
     assert rows[0]["parameters"] == rows[1]["parameters"]
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa", "differential"])
+def test_the_llama_baseline_is_as_large_as_a_variant_with_llama_projections(name):
+    """A variant whose attention is q/k/v/o projections as Llama's is measured against a Llama of its own parameter
+    count (differential's λ vectors and head norms aside, 0.2% here): differential attention's heads against Llama
+    heads as wide as its values, not as one of its two maps, which would make a Llama with half its attention
+    width."""
+    zoo = get_variant(name).build("tiny", vocab_size=64)
+    llama = LlamaForCausalLM(speed.llama_like(zoo.config))
+    zoo_parameters = sum(p.numel() for p in zoo.parameters())
+    assert sum(p.numel() for p in llama.parameters()) == pytest.approx(zoo_parameters, rel=0.005)
 
 
 @pytest.mark.parametrize(
