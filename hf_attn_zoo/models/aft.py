@@ -379,8 +379,7 @@ def aft_dense_attend(
 
 def aft_band_fits(valid: torch.Tensor | None, positions: torch.LongTensor) -> torch.Tensor:
     """Whether AFT-local's window is a band of indices, so that `aft_banded_attend` applies: the positions of every
-    row's valid tokens advance by one per token. valid `(B, T)` or None, positions `(B, T)`; a 0-dim bool tensor (a
-    graph under torch.compile takes it as data, through `torch.cond`)."""
+    row's valid tokens advance by one per token. valid `(B, T)` or None, positions `(B, T)`; a 0-dim bool tensor."""
     index = torch.arange(positions.shape[1], device=positions.device)
     offset = positions - index  # (B, T): constant over a row's valid tokens when they advance by one
     if valid is None:
@@ -652,23 +651,15 @@ class ZooAFTAttention(ZooAttention):
             averages, state = aft_simple_attend(keys, values, attention_mask.padding, state, chunk, documents)
         elif state is None and not exporting:  # from the first token (training, scoring, a prompt): all at once
             padding, bias = attention_mask.padding, self.pairwise_bias
-
-            def dense(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                return aft_dense_attend(keys, values, padding, positions, window, bias, documents)
-
-            # the band costs T·2s weights against the dense path's T²: worth it past two windows
-            if window is not None and length > 2 * window and documents is None:
-
-                def banded(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-                    return aft_banded_attend(keys, values, padding, positions, window, bias)
-
-                fits = aft_band_fits(padding, positions)
-                if torch.compiler.is_compiling():  # the choice depends on data: both branches in one graph
-                    averages = torch.cond(fits, banded, dense, (keys, values))
-                else:
-                    averages = (banded if fits else dense)(keys, values)
+            # the band costs T·2s weights against the dense path's T²: worth it past two windows. Whether it fits is
+            # data, so compiled code takes the dense path: torch.cond would keep both in one graph, but dynamo (torch
+            # 2.13) then drops the Python state the graph sets after it, such as transformers' output collector (the
+            # next eager call returned no hidden states)
+            banded = window is not None and length > 2 * window and documents is None
+            if banded and not torch.compiler.is_compiling() and aft_band_fits(padding, positions):
+                averages = aft_banded_attend(keys, values, padding, positions, window, bias)
             else:
-                averages = dense(keys, values)
+                averages = aft_dense_attend(keys, values, padding, positions, window, bias, documents)
             if not torch.compiler.is_compiling() and not torch.isfinite(averages).all():
                 averages = None  # keys beyond float64's range around their document's first key: the exact scan
             elif layer is not None:
