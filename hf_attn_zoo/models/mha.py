@@ -145,10 +145,10 @@ def backend_attention(
 
     The fused kernels take one head width for queries, keys and values: PyTorch's flash attention on CPU refuses others
     and SDPA then runs its math kernel, which builds every (T, S) score matrix (differential attention, whose values
-    are twice as wide as its keys, trained at 0.36x Llama's speed so at 2,048 tokens, 0.53x padded), and transformers'
-    flash path pads or crops values to the query width. So for every backend but eager the narrower side gets zero
-    channels: zero query and key channels add nothing to any dot product (the scale is passed, not derived from the
-    width), and the outputs of zero value channels are dropped."""
+    are twice as wide as its keys, trained 1.5x slower so at 2,048 tokens than padded), and transformers' flash path
+    pads or crops values to the query width. So for every backend but eager the narrower side gets zero channels: zero
+    query and key channels add nothing to any dot product (the scale is passed, not derived from the width), and the
+    outputs of zero value channels are dropped."""
     implementation = module.config._attn_implementation
     width, value_width = query.shape[-1], value.shape[-1]
     if implementation != "eager" and width != value_width:
