@@ -1,8 +1,12 @@
 """Text -> tokens -> packed blocks, with `datasets` and `tokenizers`, nothing downloaded unless asked for.
 
-- Text: local files (`.txt`, `.py`, any text: one document per file; `.jsonl`/`.json`: one document per record, the
-  `text_field`), directories of them, or a `datasets` dataset by name when a hub is reachable. With nothing given,
-  Python's own standard-library sources (`stdlib_corpus_files`): a real corpus present on every machine.
+- Text: local files, directories of them, or a `datasets` dataset. A file is one document when it is text (`.txt`,
+  `.py`, `.md`, any UTF-8 file), or one document per record of its `text_field` column when it holds records
+  (`.jsonl`/`.json`, `.parquet`, `.csv`, `.tsv`, read by `datasets`' own loaders). `dataset_name` is a folder written
+  by `save_to_disk` (a `Dataset` or a `DatasetDict`) or a name `load_dataset` knows (a hub dataset when a hub is
+  reachable). With nothing given, Python's own standard-library sources (`stdlib_corpus_files`): a real corpus
+  present on every machine. Anything else (a binary file, an unknown kind of folder) is refused naming what is
+  supported.
 - Split: explicit validation files, or a deterministic split of the documents (`validation_fraction`, `seed`).
 - Tokenizer: an existing one (path or name), or a byte-level BPE trained on the training text (`vocab_size`); ids
   0-255 of the byte-level alphabet are GPT-2's byte symbols, `<|endoftext|>` is BOS/EOS and separates documents.
@@ -14,6 +18,7 @@
   document and positions count from each document's start; a document's first token is not a target (-100).
 """
 
+import codecs
 import glob
 import math
 import sysconfig
@@ -30,7 +35,19 @@ END_OF_TEXT = "<|endoftext|>"
 PAD = "<|pad|>"
 TEXT_SUFFIXES = {".txt", ".py", ".md", ".rst", ".text"}
 PACKING = ("eos", "documents")
-JSON_SUFFIXES = {".jsonl", ".json"}
+# files of records, one document per record: suffix -> (`datasets` loader, its keywords)
+RECORD_FORMATS = {
+    ".jsonl": ("json", {}),
+    ".json": ("json", {}),
+    ".parquet": ("parquet", {}),
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"delimiter": "\t"}),
+}
+SUPPORTED = (
+    "UTF-8 text files (one document each), .jsonl/.json, .parquet, .csv or .tsv files (one document per record, "
+    "the data.text_field column), directories of them, or a datasets folder written by save_to_disk as "
+    "data.dataset_name"
+)
 
 
 @dataclass
@@ -40,8 +57,8 @@ class DataArguments:
     train_files: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "text files, glob patterns or directories (.txt/.py/... one document per file, .jsonl one per "
-            "record); empty: Python's standard-library sources"
+            "help": "text files, glob patterns or directories (.txt/.py/... one document per file; .jsonl, .json, "
+            ".parquet, .csv, .tsv one per record); empty: Python's standard-library sources"
         },
     )
     validation_files: list[str] = field(
@@ -51,10 +68,16 @@ class DataArguments:
         default=0.05, metadata={"help": "share of the training documents held out when no validation files"}
     )
     dataset_name: str | None = field(
-        default=None, metadata={"help": "a `datasets` dataset to load instead of files (needs a reachable hub)"}
+        default=None,
+        metadata={
+            "help": "a `datasets` dataset instead of files: a folder written by save_to_disk (Dataset or "
+            "DatasetDict), or a name load_dataset knows (a hub name needs a reachable hub)"
+        },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "its configuration name"})
-    text_field: str = field(default="text", metadata={"help": "the text column of .jsonl files and datasets"})
+    text_field: str = field(
+        default="text", metadata={"help": "the text column of record files (.jsonl, .parquet, .csv ...) and datasets"}
+    )
     tokenizer: str | None = field(
         default=None, metadata={"help": "tokenizer path or name; empty: train a byte-level BPE on the training text"}
     )
@@ -155,11 +178,10 @@ def expand_files(paths: list[str], field: str) -> list[Path]:
                 raise MissingPathError(f"{field}: no file matches {path}; fix the pattern.")
             files.extend(matched)
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | JSON_SUFFIXES)
+            suffixes = TEXT_SUFFIXES | set(RECORD_FORMATS)
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes)
             if not found:
-                raise MissingPathError(
-                    f"{field}: the directory {path} holds no text files ({sorted(TEXT_SUFFIXES | JSON_SUFFIXES)})."
-                )
+                raise MissingPathError(f"{field}: the directory {path} holds no text files ({sorted(suffixes)}).")
             files.extend(found)
         elif path.is_file():
             files.append(path)
@@ -168,35 +190,86 @@ def expand_files(paths: list[str], field: str) -> list[Path]:
     return files
 
 
-def load_documents(files: list[Path], text_field: str):
-    """A `datasets.Dataset` with one `text` per document: a whole text file, or one record of a JSON lines file."""
+def check_utf8_text(path: Path, field: str) -> None:
+    """Refuse a file that is not UTF-8 text (a binary format read as a text document) by its first 64 KiB, naming
+    what is supported, before `datasets` fails deep inside its text loader."""
+    with path.open("rb") as handle:
+        head = handle.read(1 << 16)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+        binary = b"\0" in head
+    except UnicodeDecodeError:
+        binary = True
+    if binary:
+        raise UserError(f"{field}: {path} is not UTF-8 text ({path.suffix or 'no suffix'}); supported: {SUPPORTED}.")
+
+
+def text_column(records, text_field: str, source: str):
+    """The `text_field` column of `records` (a `Dataset`) alone, named `text`."""
+    if text_field not in records.column_names:
+        raise UserError(
+            f"data.text_field={text_field!r} is not a field of {source} (fields: {records.column_names}); set "
+            f"data.text_field to the column that holds the text."
+        )
+    records = records.select_columns([text_field])  # before renaming: another column may be called `text`
+    return records if text_field == "text" else records.rename_column(text_field, "text")
+
+
+def load_documents(files: list[Path], text_field: str, field: str = "data.train_files"):
+    """A `datasets.Dataset` with one `text` per document: a whole text file, or one record of a file of records
+    (`RECORD_FORMATS`). `field` names where the files came from in errors."""
     from datasets import concatenate_datasets, load_dataset
 
     parts = []
-    text_files = [str(f) for f in files if f.suffix not in JSON_SUFFIXES]
-    json_files = [str(f) for f in files if f.suffix in JSON_SUFFIXES]
+    text_files = [f for f in files if f.suffix not in RECORD_FORMATS]
+    for path in text_files:
+        check_utf8_text(path, field)
     if text_files:
-        parts.append(load_dataset("text", data_files=text_files, sample_by="document", split="train"))
-    if json_files:
-        records = load_dataset("json", data_files=json_files, split="train")
-        if text_field not in records.column_names:
-            raise UserError(
-                f"data.text_field={text_field!r} is not a field of {json_files[0]} (fields: {records.column_names})."
-            )
-        parts.append(records.select_columns([text_field]).rename_column(text_field, "text"))
+        parts.append(load_dataset("text", data_files=list(map(str, text_files)), sample_by="document", split="train"))
+    by_suffix: dict[str, list[str]] = {}
+    for path in files:
+        if path.suffix in RECORD_FORMATS:
+            by_suffix.setdefault(path.suffix, []).append(str(path))
+    for suffix, names in by_suffix.items():
+        loader, options = RECORD_FORMATS[suffix]
+        records = load_dataset(loader, data_files=names, split="train", **options)
+        parts.append(text_column(records, text_field, names[0]))
     return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def load_named_dataset(args: "DataArguments"):
+    """(train, validation or None) documents of `data.dataset_name`: a folder written by `save_to_disk` (a `Dataset`
+    is the training split; a `DatasetDict` needs `train` and may have `validation`), or a name `load_dataset`
+    knows."""
+    from datasets import Dataset, load_dataset, load_from_disk
+
+    name, folder = args.dataset_name, Path(args.dataset_name).expanduser()
+    saved = folder.is_dir() and any((folder / marker).is_file() for marker in ("dataset_dict.json", "state.json"))
+    if saved:
+        loaded = load_from_disk(str(folder))
+    elif folder.is_dir() and not any(folder.iterdir()):
+        raise MissingPathError(f"data.dataset_name={name}: the folder is empty; supported: {SUPPORTED}.")
+    else:
+        loaded = load_dataset(name, args.dataset_config)
+    if isinstance(loaded, Dataset):
+        return text_column(loaded, args.text_field, name), None
+    if "train" not in loaded:
+        raise UserError(
+            f"data.dataset_name={name} has the splits {list(loaded)} and no `train`; save the training documents "
+            f"as the `train` split (and held-out ones as `validation`)."
+        )
+    validation = loaded["validation"] if "validation" in loaded else None
+    if validation is not None:
+        validation = text_column(validation, args.text_field, f"{name} (validation)")
+    return text_column(loaded["train"], args.text_field, name), validation
 
 
 def load_text_splits(args: DataArguments):
     """`DatasetDict` with `train` and `validation` documents (column `text`)."""
-    from datasets import DatasetDict, load_dataset
+    from datasets import DatasetDict
 
     if args.dataset_name is not None:
-        loaded = load_dataset(args.dataset_name, args.dataset_config)
-        if args.text_field != "text":
-            loaded = loaded.rename_column(args.text_field, "text")
-        train = loaded["train"]
-        validation = loaded["validation"] if "validation" in loaded else None
+        train, validation = load_named_dataset(args)
     else:
         train = (
             load_documents(expand_files(args.train_files, "data.train_files"), args.text_field)
@@ -205,8 +278,9 @@ def load_text_splits(args: DataArguments):
         )
         validation = None
         if args.validation_files:
-            validation = load_documents(expand_files(args.validation_files, "data.validation_files"), args.text_field)
-    train = train.filter(lambda record: bool(record["text"] and record["text"].strip()))
+            files = expand_files(args.validation_files, "data.validation_files")
+            validation = load_documents(files, args.text_field, "data.validation_files")
+    train = train.filter(is_document)
     if len(train) == 0:
         raise UserError("the training corpus is empty: every document is blank; check data.train_files.")
     if validation is None:
@@ -214,10 +288,17 @@ def load_text_splits(args: DataArguments):
             raise UserError("one training document cannot be split; add data.validation_files or more documents.")
         split = train.train_test_split(test_size=args.validation_fraction, seed=args.seed, shuffle=True)
         train, validation = split["train"], split["test"]
+    else:
+        validation = validation.filter(is_document)
     if args.max_documents is not None:
         train = train.select(range(min(args.max_documents, len(train))))
         validation = validation.select(range(min(args.max_documents, len(validation))))
     return DatasetDict(train=train, validation=validation)
+
+
+def is_document(record: dict) -> bool:
+    """A record with text in it: not blank, not a missing value (an empty cell of a table is None)."""
+    return isinstance(record["text"], str) and bool(record["text"].strip())
 
 
 def build_tokenizer(args: DataArguments, train_documents) -> PreTrainedTokenizerBase:

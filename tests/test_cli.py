@@ -17,6 +17,8 @@ from hf_attn_zoo import cli
 from hf_attn_zoo.cli import build_parser, main
 from hf_attn_zoo.models import VARIANTS
 
+TINY_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_gqa.yaml"
+
 
 def test_list_prints_every_variant(capsys):
     assert main(["list"]) == 0
@@ -243,6 +245,48 @@ def test_eval_scores_alibi_beyond_its_positions_with_a_notice(tmp_path, text_fil
     printed = capsys.readouterr()
     assert json.loads(printed.out.strip().splitlines()[-1])["max_length"] == 128
     assert printed.err.count("beyond the model's max_position_embeddings=64; its alibi positions extrapolate") == 1
+
+
+def stdlib_records(kind: str, folder: Path) -> Path:
+    """40 standard-library sources as records with the text in a `text` column beside another column, written as a
+    JSON lines or Parquet file, or a `Dataset` saved with `save_to_disk`."""
+    from datasets import Dataset
+
+    from hf_attn_zoo.data import stdlib_corpus_files
+
+    rows = [{"path": str(path), "text": path.read_text(encoding="utf-8")} for path in stdlib_corpus_files()[:40]]
+    target = folder / f"records.{kind}"
+    if kind == "jsonl":
+        target.write_text("\n".join(json.dumps(row) for row in rows))
+    elif kind == "parquet":
+        Dataset.from_list(rows).to_parquet(str(target))
+    else:
+        Dataset.from_list(rows).save_to_disk(str(target))
+    return target
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "dataset"])
+def test_train_reads_records_and_saved_datasets(kind, tmp_path, capsys):
+    """`hf-attn-zoo train` on a JSON lines file whose text field is `text` (the default and the commonest layout), a
+    Parquet file and a saved `Dataset`."""
+    records = stdlib_records(kind, tmp_path)
+    source = ["--data.dataset_name", str(records)] if kind == "dataset" else ["--data.train_files", str(records)]
+    out = tmp_path / "run"
+    argv = ["train", str(TINY_RECIPE), *source, "--training.max_steps", "2", "--training.output_dir", str(out)]
+    assert main([*argv, "--training.report_to", "none"]) == 0
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["steps"] == 2 and math.isfinite(summary["validation_perplexity"])
+
+
+def test_train_refuses_a_binary_data_file_in_one_line(tmp_path, capsys):
+    binary = tmp_path / "corpus.xlsx"
+    binary.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 64)
+    out = tmp_path / "run"
+    error = one_line_error(
+        capsys, ["train", str(TINY_RECIPE), "--data.train_files", str(binary), "--training.output_dir", str(out)]
+    )
+    assert f"{binary} is not UTF-8 text" in error and "supported:" in error and ".parquet" in error
+    assert not out.exists()
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

@@ -1,4 +1,5 @@
-"""Data: files and directories, JSON lines, the split, the BPE tokenizer, packing and the unigram baseline."""
+"""Data: every documented input kind (text files, JSON lines, Parquet, CSV/TSV, saved datasets), the split, the BPE
+tokenizer, packing and the unigram baseline; unsupported input refused in one line."""
 
 import json
 
@@ -14,6 +15,7 @@ from hf_attn_zoo.data import (
     train_byte_level_bpe,
     unigram_perplexity,
 )
+from hf_attn_zoo.errors import UserError
 
 TEXT = "def add(a, b):\n    return a + b  # sum, ünïcode too\n"
 
@@ -49,6 +51,73 @@ def test_files_directories_and_json_lines(tmp_path):
     assert splits["validation"]["text"] == ["held out text\n"]
     with pytest.raises(ValueError, match="text_field='text' is not a field"):
         load_text_splits(DataArguments(train_files=[str(records)], validation_files=[str(validation)]))
+
+
+RECORDS = [{"id": i, "text": f"record {i} " + "words " * i, "title": f"t{i}"} for i in range(12)]
+
+
+def write_records(kind: str, folder) -> dict:
+    """`RECORDS` (text in the column `text`, beside others) written as `kind`; the DataArguments that read them."""
+    from datasets import Dataset, DatasetDict
+
+    records = Dataset.from_list(RECORDS)
+    path = folder / {"dataset": "saved", "dataset_dict": "saved"}.get(kind, f"records.{kind}")
+    if kind in ("jsonl", "json"):
+        lines = [json.dumps(record) for record in RECORDS]
+        path.write_text("\n".join(lines) if kind == "jsonl" else json.dumps(RECORDS))
+    elif kind == "parquet":
+        records.to_parquet(str(path))
+    elif kind in ("csv", "tsv"):
+        records.to_csv(str(path), index=False, sep="," if kind == "csv" else "\t")
+    elif kind == "dataset":
+        records.save_to_disk(str(path))
+    else:
+        DatasetDict(train=records.select(range(10)), validation=records.select(range(10, 12))).save_to_disk(str(path))
+    return {"dataset_name": str(path)} if kind.startswith("dataset") else {"train_files": [str(path)]}
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "csv", "tsv", "dataset", "dataset_dict"])
+def test_every_input_kind_reads_its_text_column(kind, tmp_path):
+    """The default `text_field` is `text`, in files of records beside other columns, and in saved datasets."""
+    splits = load_text_splits(DataArguments(**write_records(kind, tmp_path)))
+    assert splits["train"].column_names == splits["validation"].column_names == ["text"]
+    documents = sorted([*splits["train"]["text"], *splits["validation"]["text"]])
+    assert documents == sorted(record["text"] for record in RECORDS)
+    if kind == "dataset_dict":  # its own validation split, not a fraction of the training one
+        assert sorted(splits["validation"]["text"]) == sorted(record["text"] for record in RECORDS[10:])
+
+
+def test_another_column_named_text_does_not_get_in_the_way(tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text("\n".join(json.dumps({"body": f"body {i}", "text": "not this"}) for i in range(4)))
+    splits = load_text_splits(DataArguments(train_files=[str(records)], text_field="body"))
+    assert sorted([*splits["train"]["text"], *splits["validation"]["text"]]) == [f"body {i}" for i in range(4)]
+
+
+def test_a_directory_reads_text_and_record_files_together(tmp_path):
+    write_records("parquet", tmp_path)
+    (tmp_path / "notes.txt").write_text("a whole file is one document\n")
+    splits = load_text_splits(DataArguments(train_files=[str(tmp_path)]))
+    assert len(splits["train"]) + len(splits["validation"]) == len(RECORDS) + 1
+
+
+def test_unsupported_input_is_refused_naming_what_is_supported(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    binary = tmp_path / "table.xlsx"
+    binary.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
+    with pytest.raises(
+        UserError, match=r"data\.train_files: .*table\.xlsx is not UTF-8 text .*supported: .*\.parquet"
+    ):
+        load_text_splits(DataArguments(train_files=[str(binary)]))
+    with pytest.raises(UserError, match=r"data\.validation_files: .*table\.xlsx is not UTF-8"):
+        load_text_splits(DataArguments(**write_records("csv", tmp_path), validation_files=[str(binary)]))
+    with pytest.raises(UserError, match=r"data\.text_field='body' is not a field of .*\['id', 'text', 'title'\]"):
+        load_text_splits(DataArguments(**write_records("parquet", tmp_path), text_field="body"))
+    splits_without_train = tmp_path / "no_train"
+    DatasetDict(test=Dataset.from_list(RECORDS)).save_to_disk(str(splits_without_train))
+    with pytest.raises(UserError, match=r"has the splits \['test'\] and no `train`"):
+        load_text_splits(DataArguments(dataset_name=str(splits_without_train)))
 
 
 def test_split_is_deterministic_and_by_document():
