@@ -214,6 +214,8 @@ def base_fields(setup: QualitySetup, variant: str, positions: str, vocab_size: i
     defaults = entry.config_class()
     fields |= {name: value for name, value in setup.extra_fields().items() if hasattr(defaults, name)}
     fields["position_embedding_type"] = positions
+    # the board's training speeds were measured with the zoo's fused head + loss (an opt-in since): every cell alike
+    fields["fuse_linear_cross_entropy"] = True
     longest = max([block_size, *setup.lengths])
     sized_by_length = non_embedding_count(variant, {**fields, "max_position_embeddings": block_size}) != (
         non_embedding_count(variant, {**fields, "max_position_embeddings": longest})

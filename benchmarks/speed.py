@@ -56,6 +56,10 @@ class SpeedSetup(Results):
     repeats: int = field(default=5, metadata={"help": "alternating samples per model and metric"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "attention backend of both models"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+    fuse_linear_cross_entropy: bool = field(
+        default=True,
+        metadata={"help": "the zoo model trains with its fused head + loss (the opt-in config field); Llama never"},
+    )
 
 
 @dataclass
@@ -78,7 +82,8 @@ class SpeedReport:
             f"`{s.variant}` vs `LlamaForCausalLM`: {self.parameters / 1e6:.1f}M parameters "
             f"({s.num_hidden_layers} layers x {s.hidden_size}, {s.num_attention_heads} heads, "
             f"{s.num_key_value_heads} KV heads), {s.attn_implementation}, {torch.get_num_threads()} threads, "
-            f"best-of-run samples, medians of {s.repeats} alternating repeats ({self.machine})",
+            f"best-of-run samples, medians of {s.repeats} alternating repeats ({self.machine}); training: "
+            f"{loss_mode(s.fuse_linear_cross_entropy)}",
             "",
             "| metric | Llama tokens/s | zoo tokens/s | zoo / Llama |",
             "| --- | ---: | ---: | ---: |",
@@ -140,7 +145,9 @@ def build_pair(setup: SpeedSetup) -> tuple[LlamaForCausalLM, torch.nn.Module]:
     )
     torch.manual_seed(0)
     llama = LlamaForCausalLM(llama_config)
-    return llama, from_llama(llama, variant=setup.variant)
+    zoo = from_llama(llama, variant=setup.variant)
+    zoo.config.fuse_linear_cross_entropy = setup.fuse_linear_cross_entropy
+    return llama, zoo
 
 
 def compare_with_llama(setup: SpeedSetup, log: Callable[[str], None] = print) -> SpeedReport:
@@ -177,6 +184,16 @@ def run_llama(setup: SpeedSetup) -> SpeedReport:
 MODES = ("eager", "compiled")
 
 
+def loss_mode(fused: bool) -> str:
+    """What the training columns measured of the loss, said in every table."""
+    if fused:
+        return (
+            "the zoo model with its fused head + loss (`fuse_linear_cross_entropy=True`, an opt-in: no logits), "
+            "Llama with transformers' plain head and loss"
+        )
+    return "both models with transformers' plain head and loss (logits materialised)"
+
+
 @dataclass
 class TrainingThroughputSetup(Results):
     """Training tokens/s of every variant's preset against LlamaForCausalLM of the same width, depth, MLP and heads,
@@ -204,6 +221,11 @@ class TrainingThroughputSetup(Results):
         },
     )
 
+    fuse_linear_cross_entropy: bool = field(
+        default=True,
+        metadata={"help": "the zoo models train with their fused head + loss (the opt-in config field); Llama never"},
+    )
+
     def parsed_shapes(self) -> list[tuple[int, int]]:
         shapes = []
         for shape in self.shapes:
@@ -227,7 +249,12 @@ def training_throughput(setup: TrainingThroughputSetup, log: Callable[[str], Non
         preset = variant.preset(setup.size).get("max_position_embeddings", 0)
         positions = max(preset, setup.max_position_embeddings, *(n for _, n in shapes))
         torch.manual_seed(0)
-        zoo = variant.build(setup.size, vocab_size=setup.vocab_size, max_position_embeddings=positions)
+        zoo = variant.build(
+            setup.size,
+            vocab_size=setup.vocab_size,
+            max_position_embeddings=positions,
+            fuse_linear_cross_entropy=setup.fuse_linear_cross_entropy,
+        )
         llama = LlamaForCausalLM(llama_like(zoo.config))
         for mode in setup.modes:
             models = {"zoo": zoo, "llama": llama}
@@ -267,7 +294,7 @@ def training_throughput_table(rows: list[dict], setup: TrainingThroughputSetup) 
         f"process, {torch.get_num_threads()} CPU threads; `LlamaForCausalLM` at the same width, depth, MLP and head "
         "counts, alternating in the same process, in the same mode (compiled: `torch.compile`, inductor, both "
         f"models); medians of {setup.repeats} best-of-{setup.steps}-steps samples, ratios the medians of "
-        "back-to-back pairs.",
+        f"back-to-back pairs. Loss: {loss_mode(setup.fuse_linear_cross_entropy)}.",
         "",
         "| variant | parameters | batch x T | "
         + " | ".join(f"{m} zoo | {m} Llama | {m} zoo / Llama" for m in modes)

@@ -1,10 +1,12 @@
-"""The fused head + loss used in training equals transformers' `ForCausalLMLoss` on materialised logits."""
+"""Training outputs: logits with the loss by default, as Llama; the opt-in fused head + loss equals transformers'
+`ForCausalLMLoss` on materialised logits."""
 
 import pytest
 import torch
 from torch.nn import functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from hf_attn_zoo.models import modeling_zoo
 from hf_attn_zoo.models.loss_zoo import causal_lm_loss_fused
 
 from conftest import ATOL, left_padded_batch, tiny_model
@@ -53,13 +55,34 @@ def test_shift_labels_are_taken_as_given():
     torch.testing.assert_close(fused, plain)
 
 
+def test_training_with_labels_returns_logits_by_default_as_llama_does():
+    """Custom loops and callbacks read `outputs.logits` in training (token accuracy, distillation): the default
+    forward keeps them, equal to evaluation's, with the loss transformers computes from them."""
+    input_ids, attention_mask, _ = left_padded_batch()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    model = tiny_model("gqa")
+    assert model.config.fuse_linear_cross_entropy is False
+    with torch.no_grad():
+        evaluated = model(input_ids, attention_mask=attention_mask, labels=labels)
+    trained = model.train()(input_ids, attention_mask=attention_mask, labels=labels)
+    assert trained.logits is not None and trained.logits.requires_grad
+    torch.testing.assert_close(trained.logits, evaluated.logits, rtol=0, atol=0)  # no dropout: the same arithmetic
+    expected = ForCausalLMLoss(trained.logits, labels, model.config.vocab_size)
+    torch.testing.assert_close(trained.loss, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tie", [True, False])
-def test_training_forward_uses_the_fused_path_with_the_same_loss(tie):
+def test_the_opt_in_fused_path_gives_the_same_loss_and_gradients(tie, caplog):
     input_ids, attention_mask, _ = left_padded_batch()
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     fused, plain = (tiny_model("gqa", tie_word_embeddings=tie).train() for _ in range(2))
-    plain.config.fuse_linear_cross_entropy = False
-    out_fused = fused(input_ids, attention_mask=attention_mask, labels=labels)
+    fused.config.fuse_linear_cross_entropy = True
+    type(modeling_zoo.logger).warning_once.cache_clear()  # transformers' once-per-process memory of messages
+    with caplog.at_level("WARNING", logger="hf_attn_zoo"):
+        out_fused = fused(input_ids, attention_mask=attention_mask, labels=labels)
+        fused(input_ids, attention_mask=attention_mask, labels=labels)
+    said = [r.getMessage() for r in caplog.records if "fuse_linear_cross_entropy=True" in r.getMessage()]
+    assert len(said) == 1 and "`logits` is None" in said[0]  # once, saying why
     out_plain = plain(input_ids, attention_mask=attention_mask, labels=labels)
     assert out_fused.logits is None and out_plain.logits is not None
     torch.testing.assert_close(out_fused.loss, out_plain.loss, rtol=0, atol=ATOL)

@@ -79,8 +79,10 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
         attention_dropout (`float`): dropout on the attention probabilities.
         hidden_dropout (`float`): dropout on the embeddings and on each residual branch.
         tie_word_embeddings (`bool`): share the input embedding with the output head.
-        fuse_linear_cross_entropy (`bool`): in training with labels, compute the head and the loss together in
-            chunks, never holding the `(tokens, vocab)` logits (faster, far less memory; `logits` is then None).
+        fuse_linear_cross_entropy (`bool`): opt-in, as Liger's kernels are: in training with labels, compute the head
+            and the loss together in chunks, never holding the `(tokens, vocab)` logits (less memory and time for
+            large vocabularies; `logits` is then None, with a one-time warning). Off by default, so that a forward
+            with labels returns logits in training as every transformers causal LM does.
     """
 
     model_type = "zoo"
@@ -124,7 +126,7 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
     mlp_bias: bool = False
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
-    fuse_linear_cross_entropy: bool = True
+    fuse_linear_cross_entropy: bool = False
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and _is_positive_int(self.hidden_size):

@@ -2,7 +2,8 @@
 
 In training with labels the `(tokens, vocab)` logits are the largest activation of a small model; `LinearCrossEntropy`
 never holds them (the approach of Liger's fused linear cross-entropy). `ZooForCausalLM` uses it when
-`config.fuse_linear_cross_entropy` is on and the head is a plain `nn.Linear` (not wrapped by PEFT or a quantizer).
+`config.fuse_linear_cross_entropy` is on (an opt-in, off by default) and the head is a plain `nn.Linear` (not wrapped
+by PEFT or a quantizer).
 
 This module travels with every checkpoint (remote code): it imports only torch.
 """

@@ -41,7 +41,7 @@ from transformers.modeling_layers import (
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -76,6 +76,8 @@ __all__ = [
     "ZooRMSNorm",
     "weighted_values",
 ]
+
+logger = logging.get_logger(__name__)
 
 BACKENDS = ("eager", "sdpa", "flash_attention_2", "flex_attention")  # transformers' `ALL_ATTENTION_FUNCTIONS`
 
@@ -744,8 +746,9 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Targets for the next-token loss; they are shifted inside, and -100 is ignored. In training mode (with
-            gradients, `config.fuse_linear_cross_entropy` on) the head and the loss run fused and `logits` is None.
+            Targets for the next-token loss; they are shifted inside, and -100 is ignored. With
+            `config.fuse_linear_cross_entropy` (off by default) the head and the loss run fused in training mode
+            (with gradients) and `logits` is None.
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
             Compute logits for the last `logits_to_keep` positions only (0 keeps all), or for the given indices.
         """
@@ -764,6 +767,10 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = loss = None
         if labels is not None and self._fuse_loss(logits_to_keep):
+            logger.warning_once(
+                "config.fuse_linear_cross_entropy=True: in training with labels the head and the loss run fused and "
+                "the output's `logits` is None; set model.config.fuse_linear_cross_entropy = False for logits."
+            )
             loss = causal_lm_loss_fused(
                 hidden_states,
                 self.lm_head,
