@@ -309,7 +309,7 @@ def test_optional_outputs_and_tuples(name, position):
     for i, row in enumerate(rows):
         torch.testing.assert_close(out.logits[i, -len(row) :], plain.logits[i, -len(row) :], atol=ATOL, rtol=0)
     attention = VARIANTS[name].attention_class  # what the variant declares about its weights
-    if not attention.returns_attention_weights(config):
+    if attention.attention_weights_absence(config):
         assert out.attentions is None or all(a is None for a in out.attentions)
         return
     assert len(out.attentions) == config.num_hidden_layers

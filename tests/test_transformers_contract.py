@@ -16,7 +16,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models import VARIANTS, modeling_zoo
 
 from conftest import (
     ATOL,
@@ -137,7 +137,7 @@ def test_output_flags_fall_back_to_the_config(name):
     assert len(by_config.hidden_states) == model.config.num_hidden_layers + 1
     for a, b in zip(by_config.hidden_states, by_keyword.hidden_states):
         assert torch.equal(a, b)
-    if VARIANTS[name].attention_class.returns_attention_weights(model.config):
+    if not VARIANTS[name].attention_class.attention_weights_absence(model.config):
         assert len(by_config.attentions) == model.config.num_hidden_layers
         for a, b in zip(by_config.attentions, by_keyword.attentions):
             assert torch.equal(a, b)
@@ -148,6 +148,51 @@ def test_output_flags_fall_back_to_the_config(name):
     for i, row in enumerate(rows):  # without a cache the padding rows take another mask path: real tokens agree
         torch.testing.assert_close(as_tuple[0][i, -len(row) :], by_config.logits[i, -len(row) :], atol=ATOL, rtol=0)
     assert not any(isinstance(item, torch.nn.Module) or hasattr(item, "get_seq_length") for item in as_tuple)
+
+
+WITHOUT_WEIGHTS = [
+    name for name in NAMES if VARIANTS[name].attention_class.attention_weights_absence(tiny_config(name))
+]
+
+
+@pytest.mark.parametrize("name", WITHOUT_WEIGHTS)
+def test_attention_weights_asked_for_and_absent_are_said_once(name, caplog):
+    """`output_attentions=True` on a variant with no weights over the tokens warns once, naming it and why, rather
+    than returning empty attentions in silence."""
+    model = tiny_model(name)
+    type(modeling_zoo.logger).warning_once.cache_clear()  # transformers' once-per-process memory of messages
+    with caplog.at_level("WARNING", logger="hf_attn_zoo"), torch.no_grad():
+        for _ in range(2):
+            assert not model(torch.tensor([[5, 6, 7]]), output_attentions=True).attentions
+    said = [r.getMessage() for r in caplog.records if "has no attention weights" in r.getMessage()]
+    reason = VARIANTS[name].attention_class.attention_weights_absence(model.config)
+    assert said == [
+        f"output_attentions=True, but {model.config.model_type} has no attention weights to return: "
+        f"{reason}; the output's `attentions` stays empty."
+    ]
+
+
+UNDECLARED = [
+    (name, backend)
+    for name in NAMES
+    for backend in ("sdpa", "flash_attention_2", "flex_attention")
+    if backend not in VARIANTS[name].backends
+]
+
+
+@pytest.mark.parametrize("name, backend", UNDECLARED)
+def test_an_undeclared_backend_is_refused_with_the_variants_reason(name, backend):
+    """transformers' own refusal asks users to request support on its tracker; the variant says why instead, when
+    the model is built and when the backend is switched."""
+    config = tiny_config(name)
+    expected = rf"^{config.model_type} .*not through transformers' '{backend}' attention function; load it with "
+    expected += r"attn_implementation in \['eager'"
+    with pytest.raises(ValueError, match=expected):
+        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=backend)
+    model = tiny_model(name)
+    with pytest.raises(ValueError, match=expected):
+        model.set_attn_implementation(backend)
+    assert model.config._attn_implementation in VARIANTS[name].backends  # unchanged
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -38,7 +38,7 @@ def attention_map(model, tokenizer, text: str, layer: int = 0, head: int = 0) ->
         with_weights = [
             name
             for name, variant in VARIANTS.items()
-            if variant.attention_class.returns_attention_weights(variant.config())  # at its defaults
+            if not variant.attention_class.attention_weights_absence(variant.config())  # at its defaults
         ]
         raise ValueError(
             f"{config.model_type} computes no attention weights (its output is not a weighted average over tokens), "

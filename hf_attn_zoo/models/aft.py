@@ -613,8 +613,8 @@ class ZooAFTAttention(ZooAttention):
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # q_proj is the gate sigmoid(q), k_proj AFT's keys
 
     @classmethod
-    def returns_attention_weights(cls, config: ZooAFTConfig) -> bool:
-        return False  # no query-key scores: each channel is its own weighted average
+    def attention_weights_absence(cls, config: ZooAFTConfig) -> str:
+        return "AFT has no query-key scores: each channel of the output is its own weighted average of the values"
 
     def __init__(self, config: ZooAFTConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

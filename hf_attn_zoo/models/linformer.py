@@ -127,8 +127,13 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         self.borrowed_projection: tuple[LinformerProjection, ...] = ()  # layerwise: the model's, kept out of the tree
 
     @classmethod
-    def returns_attention_weights(cls, config: ZooLinformerConfig) -> bool:
-        return not config.is_causal  # the causal form has new compressed keys at every step: no single map
+    def attention_weights_absence(cls, config: ZooLinformerConfig) -> str | None:
+        if not config.is_causal:
+            return None  # the paper's form: weights over the k slots
+        return (
+            "its causal form compresses the keys into new slots at every step, so no single map of weights over the "
+            "tokens exists (the paper's form, is_causal=False, returns weights over its k slots)"
+        )
 
     @classmethod
     def share_across_layers(cls, model: ZooModel) -> None:

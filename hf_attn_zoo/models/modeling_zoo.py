@@ -221,10 +221,23 @@ class ZooAttention(ZooModule):
         return cls.query_key_width(config)
 
     @classmethod
-    def returns_attention_weights(cls, config: ZooConfig) -> bool:
-        """Whether `output_attentions` gives weights over the tokens (AFT has none; causal Linformer's change at
-        every step); when not, the attentions returned are None."""
-        return True
+    def attention_weights_absence(cls, config: ZooConfig) -> str | None:
+        """Why `output_attentions` gives no weights over the tokens (a short clause: AFT has none, causal
+        Linformer's change at every step), or None when it does. Without weights the model warns once and returns
+        no attentions."""
+        return None
+
+    @classmethod
+    def backend_refusal(cls, config: ZooConfig, backend: str) -> str:
+        """Why `backend`, one of transformers' attention functions this kernel does not declare, cannot run it."""
+        if cls.backends == ("eager",):
+            what = f"computes its attention with a kernel of its own ({config.description})"
+        else:
+            what = f"runs its attention ({config.description}) through {' and '.join(cls.backends)} only"
+        return (
+            f"{config.model_type} {what}, not through transformers' {backend!r} attention function; load it with "
+            f"attn_implementation in {list(cls.backends)}."
+        )
 
     @classmethod
     def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
@@ -351,6 +364,18 @@ class ZooPreTrainedModel(PreTrainedModel):
         # A config may have been mutated after construction: check it again before building anything.
         config.validate()
         super().__init__(config, *inputs, **kwargs)
+
+    @classmethod
+    def zoo_attention_class(cls) -> type["ZooAttention"]:
+        return cls.attention_class if issubclass(cls, ZooModel) else cls.base_model_class.attention_class
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """transformers' choice of backend, with the variant's own reason for a backend its kernel does not declare
+        (transformers' message asks users to request support on its tracker)."""
+        attention = self.zoo_attention_class()
+        if requested_attention in BACKENDS and requested_attention not in attention.backends:
+            raise ValueError(attention.backend_refusal(self.config, requested_attention))
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -531,6 +556,11 @@ class ZooModel(ZooPreTrainedModel):
         # a flag left at None falls back to the config, as in transformers; kernels read the resolved value
         if kwargs.get("output_attentions") is None:
             kwargs["output_attentions"] = self.config.output_attentions
+        if kwargs["output_attentions"] and (absent := self.attention_class.attention_weights_absence(self.config)):
+            logger.warning_once(
+                f"output_attentions=True, but {self.config.model_type} has no attention weights to return: {absent}; "
+                f"the output's `attentions` stays empty."
+            )
         causal_mask = attention_mask_for(
             self.attention_class,
             self.config,
