@@ -85,7 +85,9 @@ def torchao_test_int8_latent_attention_decodes_as_its_uncached_forward():
     model, tokenizer = byte_model("mla", hidden_size=64, initializer_range=0.2)
     quantized = quantize_int8(model.eval(), "weight_only")
     attention = quantized.model.layers[0].self_attn
-    assert "Int8" in type(attention.kv_b_proj.weight).__name__ and not attention.up_projection_folds()
+    assert "Int8" in type(attention.kv_b_proj.weight).__name__ and not attention.up_projection_folds(
+        torch.device("cpu")
+    )
     input_ids = tokenizer(["latent int8"], return_tensors="pt").input_ids
     with torch.no_grad():
         generated = quantized.generate(input_ids, max_new_tokens=5, do_sample=False)

@@ -236,6 +236,32 @@ def test_base_model_checkpoint_loads_into_the_causal_lm(name, tmp_path):
     assert model.lm_head.weight.abs().sum() > 0  # initialised by _init_weights, not left empty
 
 
+OFFLOADED = [(name, {}) for name in NAMES] + [("linformer", {"linformer_sharing": "layerwise"})]
+
+
+@pytest.mark.parametrize("name, fields", OFFLOADED, ids=lambda x: x if isinstance(x, str) else "-".join(x.values()))
+def test_offloaded_loading_gives_the_same_logits_and_tokens(name, fields, tmp_path):
+    """accelerate's big-model inference: with `device_map="auto"` and a memory budget the decoder layers do not fit,
+    they go to disk, their weights on the meta device but around their modules' own forwards. Every parameter must
+    be read inside the forward of the module that owns it."""
+    torch.manual_seed(0)
+    model = VARIANTS[name].causal_lm_class(tiny_config(name, **fields)).eval()
+    model.save_pretrained(tmp_path / "model")
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 // 5  # embeddings fit, layers do not
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory={"cpu": budget}, offload_folder=tmp_path / "offload"
+    ).eval()
+    placed = offloaded.hf_device_map
+    assert "cpu" in placed.values() and any(where == "disk" for module, where in placed.items() if "layers" in module)
+    input_ids, attention_mask, _ = left_padded_batch()
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(offloaded(input_ids, attention_mask=attention_mask).logits, expected)
+    # every forward reads the offloaded weights back from disk: three new tokens show decoding (MLA's absorbed step)
+    greedy = {"attention_mask": attention_mask, "max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(offloaded.generate(input_ids, **greedy), model.generate(input_ids, **greedy))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_a_wrong_shape_names_the_fields_the_owning_module_declares(name, tmp_path):
     tiny_model(name).save_pretrained(tmp_path)

@@ -95,8 +95,9 @@ class LinformerProjection(ZooModule):
         if self.value_projection is not None:
             init.normal_(self.value_projection, mean=0.0, std=std)
 
-    def columns(self, positions: torch.LongTensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The columns of E and F at `positions` `(B, T)`, zero for padding: `(B, P, k, T)` each."""
+    def forward(self, positions: torch.LongTensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns of E and F at `positions` `(B, T)`, zero for padding: `(B, P, k, T)` each. A forward, so that
+        hooks that put parameters in place around a module's forward (accelerate's offloading) see it read them."""
 
         def gather(projection: torch.Tensor) -> torch.Tensor:
             cols = projection[:, :, positions].permute(2, 0, 1, 3)  # (P, k, B, T) -> (B, P, k, T)
@@ -155,7 +156,7 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         if not torch.compiler.is_compiling():
             self.config.check_position_table(int(positions.max()))
         # (B, P, k, T) x 2, zero at padding
-        key_columns, value_columns = self.linformer_projection.columns(positions, attention_mask.padding)
+        key_columns, value_columns = self.linformer_projection(positions, attention_mask.padding)
         documents = attention_mask.documents
         layer = state_layer(cache, self.layer_idx, self.config.model_type)
         weights = None

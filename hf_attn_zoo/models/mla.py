@@ -25,7 +25,7 @@ Two exact ways to attend, chosen per forward:
   O(S·kv_lora_rank·H·(qk_nope_head_dim + v_head_dim)) per step, is never done. Both paths are the same function
   (tested against each other and an uncached forward); `absorb_for_decoding=False` keeps the expanded one, and a
   wrapped `kv_b_proj` (a LoRA adapter) or a quantised weight (torchao's int8) also keeps it, since neither is one
-  plain matrix to fold.
+  plain matrix to fold, and so does a weight that accelerate offloads (in place only inside `kv_b_proj`'s forward).
 
 RoPE frequencies: by default the RoPE part rotates by its own ladder, `rope_theta^(-2i/qk_rope_head_dim)` (DeepSeek).
 A model converted from a RoPE checkpoint (`hf_attn_zoo.convert.to_mla`) keeps, per layer, a chosen subset of the
@@ -303,7 +303,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
             # (B, 1, S, r) and (B, 1, S, rope): every latent and RoPE key so far, this step's included
             latent, key_rope = update_cache(cache, latent, key_rope, self.layer_idx, kwargs)
 
-        if length == 1 and self.absorb_for_decoding and self.up_projection_folds():
+        if length == 1 and self.absorb_for_decoding and self.up_projection_folds(query_nope.device):
             output, weights = self.attend_absorbed(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)
         else:
             output, weights = self.attend_expanded(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)
@@ -325,10 +325,14 @@ class ZooMultiHeadLatentAttention(ZooAttention):
                     f"forward without a cache (use_cache=False)."
                 )
 
-    def up_projection_folds(self) -> bool:
-        """Whether `kv_b_proj` is one plain matrix the absorbed path can fold: not a wrapped layer (a LoRA adapter)
-        and not a quantised tensor (torchao's int8 weights have no `view`)."""
-        return type(self.kv_b_proj) is nn.Linear and type(self.kv_b_proj.weight) in (nn.Parameter, torch.Tensor)
+    def up_projection_folds(self, device: torch.device) -> bool:
+        """Whether `kv_b_proj` is one plain matrix the absorbed path can fold, on the device the step runs on: not a
+        wrapped layer (a LoRA adapter), not a quantised tensor (torchao's int8 weights have no `view`), and not a
+        weight that offloading keeps elsewhere (accelerate's hooks put an offloaded weight on the execution device
+        only around `kv_b_proj`'s own forward; between forwards it is on the meta device, or on the CPU)."""
+        weight = self.kv_b_proj.weight
+        plain = type(self.kv_b_proj) is nn.Linear and type(weight) in (nn.Parameter, torch.Tensor)
+        return plain and weight.device == device
 
     def attend_expanded(self, query_nope, query_rope, latent, key_rope, attention_mask, **kwargs):
         """Up-project the latents into per-head keys and values and attend through the backend: `(B, T, H, v)`."""
