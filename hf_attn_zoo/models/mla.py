@@ -330,9 +330,10 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         wrapped layer (a LoRA adapter), not a quantised tensor (torchao's int8 weights have no `view`), and not a
         weight that offloading keeps elsewhere (accelerate's hooks put an offloaded weight on the execution device
         only around `kv_b_proj`'s own forward; between forwards it is on the meta device, or on the CPU)."""
+        if type(self.kv_b_proj) is not nn.Linear:
+            return False
         weight = self.kv_b_proj.weight
-        plain = type(self.kv_b_proj) is nn.Linear and type(weight) in (nn.Parameter, torch.Tensor)
-        return plain and weight.device == device
+        return type(weight) in (nn.Parameter, torch.Tensor) and weight.device == device
 
     def attend_expanded(self, query_nope, query_rope, latent, key_rope, attention_mask, **kwargs):
         """Up-project the latents into per-head keys and values and attend through the backend: `(B, T, H, v)`."""
