@@ -107,8 +107,7 @@ def compare(samples: dict[str, list[float]], prefix: str) -> dict[str, float]:
 def llama_like(config, attn_implementation: str = "sdpa") -> LlamaConfig:
     """The config of the same-size baseline: `LlamaForCausalLM` with a zoo config's width, depth, MLP, head counts,
     vocabulary and positions. Llama's heads are as wide as the variant's value heads (the width of a head's output,
-    which sizes o_proj): `head_dim` but for differential attention, whose `head_dim` is one of a head's two maps; a
-    Llama at that width would have attention half as wide as the variant's and 13% fewer parameters."""
+    which sizes o_proj), `head_dim` for most variants and MLA's `v_head_dim`."""
     return LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,

@@ -168,7 +168,7 @@ def differential_attention(attn, hidden, positions, attention_mask, config):
     1 - λ_init (unless `differential_head_norm` is False). Map i of head h reads map i of key/value head
     h // (H / G); ALiBi biases both maps."""
     batch, length, _ = hidden.shape
-    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim // 2  # a map's width
     q = attn.q_proj(hidden).view(batch, length, 2 * heads, d)  # map i of head h at 2h + i
     k = attn.k_proj(hidden).view(batch, length, 2 * kv_heads, d)
     v = attn.v_proj(hidden).view(batch, length, kv_heads, 2 * d)

@@ -1,4 +1,5 @@
-"""PEFT LoRA on every registered variant: training through the Trainer, adapter save/reload, merging, "all-linear"."""
+"""PEFT on every registered variant: LoRA (training through the Trainer, adapter save/reload, merging,
+"all-linear") and prefix tuning (where a variant's cache holds per-layer keys and values; refused elsewhere)."""
 
 import copy
 import json
@@ -6,10 +7,11 @@ import json
 import pytest
 import torch
 from datasets import Dataset
-from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, PrefixTuningConfig, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
+from hf_attn_zoo.convert import to_llama
 from hf_attn_zoo.lora import lora_table, lora_target_modules
 from hf_attn_zoo.models import VARIANTS
 
@@ -189,3 +191,68 @@ def test_lora_target_modules_cover_every_variant():
     assert table[0] == "| variant | target_modules |" and len(table) == 2 + len(VARIANTS)
     with pytest.raises(ValueError, match="unknown variant"):
         lora_target_modules("zoo_nonexistent")
+
+
+# prefix tuning: PEFT's virtual tokens are keys and values of num_key_value_heads x head_dim in every layer's cache
+PREFIX_CASES = [(name, {}) for name in sorted(VARIANTS)] + [("additive", {"additive_dim": 16})]  # keys != values wide
+
+
+def prefix_case_id(case) -> str:
+    return case if isinstance(case, str) else "-".join(f"{key}={value}" for key, value in case.items())
+
+
+@pytest.mark.parametrize("name, fields", PREFIX_CASES, ids=prefix_case_id)
+def test_prefix_tuning_trains_and_generates_or_is_refused_naming_it(name, fields):
+    model, tokenizer = lora_model(name) if not fields else byte_model(name, intermediate_size=64, **fields)
+    attention = VARIANTS[name].attention_class
+    refusal = attention.config_shaped_cache_refusal(model.config)
+    prefixed = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    batch = tokenizer([TEXT[:BLOCK]], return_tensors="pt")
+    if refusal is not None:  # a state, or keys and values of their own widths: refused at the first forward
+        with pytest.raises(TypeError, match=rf"^{model.config.model_type} .*prefix tuning.* cannot apply"):
+            prefixed(**batch, labels=batch.input_ids)
+        return
+    # the virtual keys are as wide as what the variant caches (differential: its two key maps side by side)
+    virtual = prefixed.get_prompt(batch_size=1).layers[0]
+    heads, key_width, value_width = attention.cached_widths(model.config)
+    assert virtual.keys.shape == (1, heads, 4, key_width) and virtual.values.shape[-1] == value_width
+
+    trainable = {name for name, parameter in prefixed.named_parameters() if parameter.requires_grad}
+    assert trainable and all("prompt_encoder" in name for name in trainable)
+    optimizer = torch.optim.AdamW([p for p in prefixed.parameters() if p.requires_grad], lr=0.05)
+    prefixed.train()
+    losses = []
+    for _ in range(8):
+        loss = prefixed(**batch, labels=batch.input_ids).loss
+        loss.backward()
+        optimizer.step(), optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+    prefixed.eval()
+    prompt = tokenizer(["the quick", "a"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        generated = prefixed.generate(**prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert generated.shape == (2, prompt.input_ids.shape[1] + 5)
+        without = prefixed.get_base_model()(**prompt).logits
+        assert not torch.allclose(prefixed(**prompt).logits, without, atol=1e-3)  # the prefix is read
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(VARIANTS) if VARIANTS[name].family == "mha"])
+def test_prefix_tuning_on_the_mha_family_generates_what_llama_generates(name):
+    """The same weights and the same virtual tokens: a Llama control and the zoo model give the same tokens through
+    PEFT's prefix-tuned `generate` (whatever PEFT's own conventions for the prefix's positions are)."""
+    model, tokenizer = lora_model(name)
+    llama = to_llama(model)
+    config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    zoo_prefixed, llama_prefixed = get_peft_model(model, config), get_peft_model(llama, copy.deepcopy(config))
+    with torch.no_grad():
+        for parameter in zoo_prefixed.prompt_encoder.parameters():
+            parameter.normal_(0, 1.0)  # a prefix that changes what is generated
+    llama_prefixed.prompt_encoder.load_state_dict(zoo_prefixed.prompt_encoder.state_dict())
+    prompt = tokenizer(["the quick", "a"], return_tensors="pt", padding=True)
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(
+            zoo_prefixed.eval().generate(**prompt, **greedy), llama_prefixed.eval().generate(**prompt, **greedy)
+        )

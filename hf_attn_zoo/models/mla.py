@@ -227,7 +227,11 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         )
 
     @classmethod
-    def preallocated_cache_refusal(cls, config: ZooMLAConfig) -> str:
+    def cached_widths(cls, config: ZooMLAConfig) -> tuple[int, int, int]:
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim  # the latent as keys, the RoPE key as values
+
+    @classmethod
+    def config_shaped_cache_refusal(cls, config: ZooMLAConfig) -> str:
         return (
             f"it caches a latent of kv_lora_rank={config.kv_lora_rank} and a RoPE key of qk_rope_head_dim="
             f"{config.qk_rope_head_dim} per token, not keys and values of one head_dim"
@@ -299,7 +303,6 @@ class ZooMultiHeadLatentAttention(ZooAttention):
                 cos, sin = cos[..., self.rope_channels], sin[..., self.rope_channels]  # (B, T, rope)
             query_rope, key_rope = apply_rotary(query_rope, key_rope, cos, sin)
         if cache is not None:
-            self.check_preallocated(cache)
             # (B, 1, S, r) and (B, 1, S, rope): every latent and RoPE key so far, this step's included
             latent, key_rope = update_cache(cache, latent, key_rope, self.layer_idx, kwargs)
 
@@ -308,22 +311,6 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         else:
             output, weights = self.attend_expanded(query_nope, query_rope, latent, key_rope, attention_mask, **kwargs)
         return self.o_proj(output.reshape(batch, length, -1)), weights  # (B, T, H, v) -> (B, T, H * v)
-
-    def check_preallocated(self, cache: Cache) -> None:
-        """Refuse a static cache that was allocated before the first write at other widths than the latent's (the
-        ExecuTorch recipe sizes keys and values alike from the config), rather than fail inside the cache's copy.
-        A static cache sized by its first write, as `generate(cache_implementation="static")` leaves it, holds it."""
-        layers = getattr(cache, "layers", None)
-        layer = layers[self.layer_idx] if layers is not None and self.layer_idx < len(layers) else None
-        keys = getattr(layer, "keys", None)
-        if getattr(layer, "is_initialized", False) and keys is not None and keys.dim() == 4:
-            if keys.shape[-1] != self.latent_dim:
-                raise TypeError(
-                    f"{self.config.model_type} cannot decode into a static cache allocated {keys.shape[-1]} wide "
-                    f"before its first write: {self.preallocated_cache_refusal(self.config)}. Let the cache size "
-                    f"itself from the first write (generate(cache_implementation='static') does), or export the "
-                    f"forward without a cache (use_cache=False)."
-                )
 
     def up_projection_folds(self, device: torch.device) -> bool:
         """Whether `kv_b_proj` is one plain matrix the absorbed path can fold, on the device the step runs on: not a

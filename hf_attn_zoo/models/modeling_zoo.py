@@ -270,11 +270,24 @@ class ZooAttention(ZooModule):
         return cls.lora_targets
 
     @classmethod
-    def preallocated_cache_refusal(cls, config: ZooConfig) -> str | None:
-        """Why a static cache allocated before the first forward from the config's head shapes (ExecuTorch's export
-        recipe: keys and values of num_key_value_heads x head_dim each) cannot hold this variant's keys and values,
-        or None. (State variants refuse every key/value cache on their own, `ZooModel._check_state_cache`.)"""
-        return None
+    def cached_widths(cls, config: ZooConfig) -> tuple[int, int, int] | None:
+        """What a layer caches per token: (key/value heads, key width, value width); None for a state."""
+        if cls.decodes_from_state():
+            return None
+        return config.num_key_value_heads, cls.query_key_width(config), cls.value_width(config)
+
+    @classmethod
+    def config_shaped_cache_refusal(cls, config: ZooConfig) -> str | None:
+        """Why a cache built outside the model from the config's head shapes (keys and values of num_key_value_heads
+        x head_dim each: a static cache allocated before the first forward, as ExecuTorch's export recipe does, or
+        PEFT's prefix tuning, whose virtual tokens are such keys and values) cannot hold this variant's, or None."""
+        widths = cls.cached_widths(config)
+        if widths is None:
+            return "it decodes from a running state per layer, with no per-token keys and values"
+        if widths == (config.num_key_value_heads, config.head_dim, config.head_dim):
+            return None
+        heads, key, value = widths
+        return f"it caches {heads} key/value head(s) per token with keys {key} and values {value} wide"
 
     def __setattr__(self, name: str, value) -> None:
         # kvpress's presses start by attaching the model's rotary embedding to every attention layer (`rotary_emb`),
@@ -525,8 +538,8 @@ class ZooModel(ZooPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
         if use_cache and cache is None:
             cache = self.make_cache()
-        if self.attention_class.decodes_from_state():
-            self._check_state_cache(cache)
+        if cache is not None:
+            self._check_cache(cache)
         if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:  # transformers < 5.3: as Llama there
             past = cache.get_seq_length() if cache is not None else 0
             kwargs["cache_position"] = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
@@ -583,18 +596,55 @@ class ZooModel(ZooPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
 
-    def _check_state_cache(self, cache: Cache | None) -> None:
-        """A variant that decodes from a running state refuses a cache of keys and values before anything runs, so
-        that an exporter tracing it with a static cache (ExecuTorch's) reports this rather than a tracing error from
-        inside a layer."""
+    def _check_cache(self, cache: Cache) -> None:
+        """Refuse, before any layer runs, a cache built outside the model that cannot hold this variant: key/value
+        layers for a variant that decodes from a state, or keys and values of other widths (a static cache
+        allocated from the config's head shapes, PEFT's prefix tuning). Exporters tracing with such a cache and PEFT
+        users then read why, rather than a shape error from inside a layer."""
         layers = getattr(cache, "layers", None)
-        if layers is None or (layers and all(isinstance(layer, self.attention_class.cache_layer) for layer in layers)):
+        if not layers:
+            return
+        attention, model_type = self.attention_class, self.config.model_type
+        if attention.decodes_from_state():
+            if all(isinstance(layer, attention.cache_layer) for layer in layers):
+                return
+            # what a cache holds is data to a tracer (a static cache counts its filled slots): exporters get the
+            # message below, PEFT (eager) this one
+            held = 0 if torch.compiler.is_compiling() else int(cache.get_seq_length())
+            if held:
+                raise TypeError(
+                    f"{model_type} decodes from a running state per layer, but was handed a {type(cache).__name__} "
+                    f"already holding {held} tokens of keys and values: that is how PEFT's prefix tuning passes its "
+                    f"virtual tokens, and a running state has no per-token keys and values to put them before, so "
+                    f"prefix tuning cannot apply to this variant; use prompt tuning (PEFT's PromptTuningConfig: "
+                    f"virtual token embeddings) or LoRA instead."
+                )
+            raise TypeError(
+                f"{model_type} decodes from a running state per layer, which a {type(cache).__name__} of keys and "
+                f"values cannot hold, so it cannot decode from (or be exported with) a static key/value cache. Pass "
+                f"cache=model.model.make_cache() or let generate() create it; to export, export the forward without "
+                f"a cache (use_cache=False)."
+            )
+        layer = layers[0]
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not getattr(layer, "is_initialized", False) or keys is None or values is None or keys.dim() != 4:
+            return
+        heads, key_width, value_width = attention.cached_widths(self.config)
+        if (keys.shape[1], keys.shape[-1], values.shape[1], values.shape[-1]) == (
+            heads,
+            key_width,
+            heads,
+            value_width,
+        ):
             return
         raise TypeError(
-            f"{self.config.model_type} decodes from a running state per layer, which a "
-            f"{type(cache).__name__} of keys and values cannot hold, so it cannot decode from (or be "
-            f"exported with) a static key/value cache. Pass cache=model.model.make_cache() or let "
-            f"generate() create it; to export, export the forward without a cache (use_cache=False)."
+            f"{model_type} cannot use the cache handed in: its layer 0 holds keys of {keys.shape[1]} head(s) x "
+            f"{keys.shape[-1]} and values of {values.shape[1]} x {values.shape[-1]}, but "
+            f"{attention.config_shaped_cache_refusal(self.config)}. A cache sized from the config's head shapes "
+            f"(num_key_value_heads x head_dim) cannot hold it: PEFT's prefix tuning, whose virtual tokens are such "
+            f"keys and values, cannot apply to this variant (use prompt tuning or LoRA instead), and a static cache "
+            f"must size itself from its first write (generate(cache_implementation='static') does) or be left out "
+            f"(export the forward with use_cache=False)."
         )
 
     def _check_learned_positions(self, position_ids: torch.LongTensor) -> None:
