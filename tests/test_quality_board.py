@@ -141,8 +141,8 @@ def test_every_registered_variant_matches_the_reference_parameters_at_the_defaul
     # heads as wide as the others': differential's presets halve the heads (two maps each), so does the board
     differential, _, _ = quality.cell_fields(setup, quality.Cell("differential", "rope", 0), 4096, 256)
     assert differential["num_attention_heads"] == 4 and sliding["num_attention_heads"] == 8
-    config = VARIANTS["differential"].config(**differential)
-    assert config.head_dim == VARIANTS["mha"].config("small", hidden_size=128, num_attention_heads=8).head_dim == 16
+    config = VARIANTS["differential"].config(**differential)  # head_dim is a head's value width, two maps of half
+    assert config.head_dim // 2 == VARIANTS["mha"].config("small", hidden_size=128, num_attention_heads=8).head_dim == 16
     odd = quality.QualitySetup(num_attention_heads=9, hidden_size=90)
     with pytest.raises(ValueError, match="differential: --num_attention_heads 9 gives it 3/6 as many"):
         quality.cell_fields(odd, quality.Cell("differential", "rope", 0), 64, 8)
