@@ -10,14 +10,13 @@
     hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
                                           generate a sample, save and reload it
-    hf-attn-zoo bench NAME [options]      a benchmark of the repository's benchmarks/ folder (`bench --help` lists
-                                          them); they are not part of the installed package
 
 Each command is one entry of `COMMANDS`: its help line, the dataclass of its arguments and the function it runs,
 named `module:function` (they live in `hf_attn_zoo.cli`). Options are the dataclass's fields, parsed by
 transformers' `HfArgumentParser`: `--max_length 512`, and `--max-length 512` as well; a field marked `positional` is
-given by position (`eval MODEL`). `train` and `bench NAME` pass their arguments on: to the recipe loader
-(`--section.field value` overrides) and to the benchmark's script.
+given by position (`eval MODEL`). `train` passes its arguments on to the recipe loader (`--section.field value`
+overrides). The experiments (benchmarks and studies) are not commands of the package: they run from a checkout of
+the repository, `python -m experiments NAME`.
 
 This module sits beside the `hf_attn_zoo` package, not in it, and imports the package only once a command runs:
 `import hf_attn_zoo` registers every variant with transformers' Auto classes, which imports torch and transformers'
@@ -212,34 +211,6 @@ class DemoOptions:
     )
 
 
-# `hf-attn-zoo bench NAME`: the benchmark NAME of benchmarks/SCRIPT.py, and its help line
-BENCHMARK_SCRIPTS = {
-    "llama": ("speed", "training and generate() tokens/s of a variant against Llama, same weights"),
-    "training": ("speed", "training tokens/s of every variant's preset against the same-size Llama"),
-    "scaling": ("scaling", "forward time, peak memory and decoding cache against sequence length"),
-    "decode": ("decode", "prefill/decode tokens/s and cache bytes of every variant against Llama"),
-    "fast-decode": ("decode", "decode tokens/s: dynamic vs static cache vs compiled step, and Llama's"),
-    "int8": ("int8", "int8 weights and a 4-bit KV cache against float32: perplexity, size, speed"),
-    "uptrain": ("uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union addresses"),
-    "uptrain-smollm2": ("uptraining", "SmolLM2-135M imported, pooled to MQA and uptrained: the recovery curve"),
-    "mla-smollm2": ("latent", "SmolLM2-135M converted to MLA at three cache sizes, uptrained, against MQA"),
-    "mla-decode": ("latent", "batch-1 decoding of MLA, absorbed and expanded, against GQA of equal parameters"),
-    "packing": ("packing", "padding-free training against EOS packing: speed and held-out perplexity"),
-    "convert-demo": ("conversion", "the demo's MHA model to GQA/MQA by every pooling method, before uptraining"),
-    "convert-smollm2": ("conversion", "SmolLM2-135M to MQA by every pooling method: perplexity, conversion time"),
-    "sharded": ("sharded", "FSDP2 and ZeRO-2/3 against DDP and one process: losses, tokens/s, memory per process"),
-    "quality": ("quality", "the quality board: every variant under one recipe, perplexity vs cache and speed, seeds"),
-}
-
-# the script's own parser answers --help, with the benchmark's options
-BENCHMARKS = {
-    name: Command(
-        help, "hf_attn_zoo.cli:run_benchmark", args=(name, script), passes_through=True, parser={"add_help": False}
-    )
-    for name, (script, help) in BENCHMARK_SCRIPTS.items()
-}
-
-
 COMMANDS = {
     "list": Command("print the registered variants", "hf_attn_zoo.cli:list_command"),
     "train": Command(
@@ -288,10 +259,6 @@ COMMANDS = {
         "train a small model on Python's standard library, score it, generate, save and reload it",
         "hf_attn_zoo.demo:run_demo",
         DemoOptions,
-    ),
-    "bench": Command(
-        "benchmarks against transformers' Llama and across variants (scripts in the repository's benchmarks/)",
-        subcommands=BENCHMARKS,
     ),
 }
 

@@ -9,13 +9,11 @@ checked before anything loads (`hf_attn_zoo.loading`).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import sys
 import textwrap
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 from hf_attn_zoo_cli import COMMANDS, build_parser, main
@@ -229,45 +227,6 @@ def serve_command(options: ServeOptions) -> int:
     from .serving import serve
 
     return serve(**dataclasses.asdict(options))
-
-
-# bench
-
-
-def checkout_root() -> Path:
-    """The folder above the package: the repository in a source checkout or an editable install."""
-    return Path(__file__).resolve().parents[1]
-
-
-def benchmarks_folder() -> Path | None:
-    """The repository's benchmarks/ folder: beside the package in a checkout, else in the current directory."""
-    for root in (checkout_root(), Path.cwd()):
-        if (root / "benchmarks" / "common.py").is_file():
-            return root / "benchmarks"
-    return None
-
-
-def benchmark_script(stem: str) -> ModuleType:
-    """Import `benchmarks/<stem>.py` from the repository (its folder goes on `sys.path`, where the scripts find
-    `common.py`); FileNotFoundError outside a checkout."""
-    folder = benchmarks_folder()
-    if folder is None or not (folder / f"{stem}.py").is_file():
-        raise FileNotFoundError(f"benchmarks/{stem}.py")
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    return importlib.import_module(stem)
-
-
-def run_benchmark(name: str, script: str, argv: list[str]) -> int:
-    """What `hf-attn-zoo bench NAME` runs: the benchmark NAME of `benchmarks/<script>.py`."""
-    try:
-        module = benchmark_script(script)
-    except FileNotFoundError as missing:
-        raise UserError(
-            f"no {missing} beside the package or in the current directory; the benchmarks live in the hf_attn_zoo "
-            "repository, not the installed package: run this in a checkout"
-        ) from missing
-    return benchmark_script("common").main(module.BENCHMARKS, [name, *argv], prog="hf-attn-zoo bench")
 
 
 __all__ = ["COMMANDS", "build_parser", "main"]

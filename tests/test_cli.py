@@ -1,5 +1,4 @@
-"""The command line: `list`, `--help` of every command, both spellings of options, `bench` inside and outside a
-checkout, and the main job `demo`."""
+"""The command line: `list`, `--help` of every command, both spellings of options, and the main job `demo`."""
 
 import argparse
 import json
@@ -30,7 +29,7 @@ def test_list_prints_every_variant(capsys):
 
 
 def command_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    """Every command and subcommand of the CLI, e.g. ("bench", "decode")."""
+    """Every command and subcommand of the CLI, e.g. ("train",)."""
     paths = [prefix]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -43,7 +42,7 @@ COMMANDS = command_paths(build_parser())
 
 
 def test_every_command_is_walked():
-    assert {("train",), ("bench", "decode"), ("eval",), ("demo",)} <= set(COMMANDS)
+    assert {("train",), ("eval",), ("convert",), ("demo",)} <= set(COMMANDS)
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda path: " ".join(path) or "hf-attn-zoo")
@@ -67,40 +66,6 @@ def test_options_take_underscores_and_dashes():
     for spelling in ("--max_length", "--max-length"):
         namespace = parser.parse_args(["eval", "model", "--data", "a.txt", spelling, "64", "--trust-remote-code"])
         assert namespace.max_length == 64 and namespace.trust_remote_code is True and namespace.model == "model"
-
-
-def test_every_bench_name_has_its_script():
-    for name, command in cli.COMMANDS["bench"].subcommands.items():
-        with pytest.raises(SystemExit) as exit_info:
-            command.function()(["--help"])
-        assert exit_info.value.code == 0, name
-
-
-def test_bench_outside_a_checkout_says_where_benchmarks_live(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "checkout_root", lambda: tmp_path)  # an installed package: no benchmarks/ beside it
-    monkeypatch.chdir(tmp_path)
-    assert cli.benchmarks_folder() is None
-    for args in (["bench", "llama"], ["bench", "scaling", "--help"]):
-        assert main(args) == 2
-        printed = capsys.readouterr()
-        assert printed.out == "" and len(printed.err.strip().splitlines()) == 1
-        assert "benchmarks/" in printed.err and "repository" in printed.err
-
-
-def test_bench_finds_the_repositorys_benchmarks_from_anywhere(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert cli.benchmarks_folder() == Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def test_bench_llama_writes_ratios(tmp_path, capsys):
-    args = ["bench", "llama", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64"]
-    args += ["--vocab_size", "64", "--train_seq_len", "16", "--train_steps", "1", "--prompt_len", "4"]
-    args += ["--new_tokens", "3", "--decode_batch_sizes", "1", "2", "--decode_runs", "1", "--repeats", "2"]
-    assert main([*args, "--output_dir", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "speed_gqa_vs_llama.json").read_text())
-    assert len(result["ratios"]) == 3 and all(ratio > 0 for ratio in result["ratios"].values())
-    assert all(len(sample["llama"]) == len(sample["zoo"]) == 2 for sample in result["samples"].values())
-    assert "| zoo / Llama |" in (tmp_path / "speed_gqa_vs_llama.md").read_text()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -130,7 +95,7 @@ def test_help_and_version_answer_without_importing_the_package():
     """`--help` and `--version` need only the front (hf_attn_zoo_cli): torch and the package stay unimported."""
     code = (
         "import sys, contextlib, io, hf_attn_zoo_cli\n"
-        "for argv in (['--help'], ['--version'], ['eval', '--help'], ['bench', '--help']):\n"
+        "for argv in (['--help'], ['--version'], ['eval', '--help'], ['convert', '--help']):\n"
         "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "        hf_attn_zoo_cli.main(argv)\n"
         "print(sorted(name for name in ('torch', 'hf_attn_zoo') if name in sys.modules))\n"

@@ -162,14 +162,13 @@ def test_parents_the_conversion_cannot_read_are_refused(fields, named):
 
 
 def test_the_smollm2_benchmark_runs_on_a_small_llama_and_resumes(tmp_path, monkeypatch):
-    """`bench mla-smollm2` end to end with a small Llama standing in for SmolLM2's GGUF: every shape converted by
+    """`mla-smollm2` end to end with a small Llama standing in for SmolLM2's GGUF: every shape converted by
     every method and scored, the better one uptrained, the MQA runs beside, caches measured; a rerun trains nothing."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_attn_zoo.cli import benchmark_script
+    from experiments.mla import latent
     from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
 
-    latent = benchmark_script("latent")  # benchmarks/latent.py
     tokenizer = byte_level_tokenizer()
     config = LlamaConfig(
         **tokenizer_fields(tokenizer),
@@ -237,9 +236,8 @@ def test_the_smollm2_benchmark_runs_on_a_small_llama_and_resumes(tmp_path, monke
 
 
 def test_the_decode_benchmark_compares_equal_parameter_models(tmp_path, monkeypatch):
-    from hf_attn_zoo.cli import benchmark_script
+    from experiments.mla import latent
 
-    latent = benchmark_script("latent")
     # SmolLM2's shape cut to 2 layers and a small vocabulary: the same attention, seconds to build
     monkeypatch.setitem(latent.SMOLLM2_SHAPE, "num_hidden_layers", 2)
     monkeypatch.setitem(latent.SMOLLM2_SHAPE, "vocab_size", 512)
@@ -266,9 +264,8 @@ def test_the_decode_benchmark_compares_equal_parameter_models(tmp_path, monkeypa
 
 
 def test_the_decode_clock_counts_steps_after_the_prefill():
-    from hf_attn_zoo.cli import benchmark_script
+    from experiments.mla import latent
 
-    latent = benchmark_script("latent")
     clock = latent.StepClock()
     model = tiny_model("mla").eval()
     model.generate(

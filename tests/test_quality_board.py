@@ -1,15 +1,13 @@
-"""The quality board (benchmarks/quality.py): a tiny board end to end, parameter matching over the registry, resuming,
-failing cells, and the verdicts on the papers' claims."""
+"""The quality board (experiments/quality/quality.py): a tiny board end to end, parameter matching over the
+registry, resuming, failing cells, and the verdicts on the papers' claims."""
 
 import json
 import random
 
 import pytest
 
-from hf_attn_zoo.cli import benchmark_script
+from experiments.quality import quality
 from hf_attn_zoo.models import VARIANTS
-
-quality = benchmark_script("quality")  # benchmarks/quality.py, imported from the repository
 
 WORDS = "the of and to in a that we our for is this it be have will with as by nation people congress state".split()
 
@@ -142,7 +140,8 @@ def test_every_registered_variant_matches_the_reference_parameters_at_the_defaul
     differential, _, _ = quality.cell_fields(setup, quality.Cell("differential", "rope", 0), 4096, 256)
     assert differential["num_attention_heads"] == 4 and sliding["num_attention_heads"] == 8
     config = VARIANTS["differential"].config(**differential)  # head_dim is a head's value width, two maps of half
-    assert config.head_dim // 2 == VARIANTS["mha"].config("small", hidden_size=128, num_attention_heads=8).head_dim == 16
+    mha = VARIANTS["mha"].config("small", hidden_size=128, num_attention_heads=8)
+    assert config.head_dim // 2 == mha.head_dim == 16
     odd = quality.QualitySetup(num_attention_heads=9, hidden_size=90)
     with pytest.raises(ValueError, match="differential: --num_attention_heads 9 gives it 3/6 as many"):
         quality.cell_fields(odd, quality.Cell("differential", "rope", 0), 64, 8)

@@ -1,14 +1,13 @@
-"""The scaling benchmark's pieces (benchmarks/scaling.py): the exponent fit, cache accounting, how its models are
-sized, and a smoke run of the command."""
+"""The scaling benchmark's pieces (experiments/speed/scaling.py): the exponent fit, cache accounting, how its models
+are sized, and a smoke run of the command."""
 
 import json
 
 import pytest
 
-from hf_attn_zoo.cli import benchmark_script, main
+from experiments.__main__ import main as run_experiment
+from experiments.speed import scaling
 from hf_attn_zoo.models import VARIANTS, get_variant
-
-scaling = benchmark_script("scaling")  # benchmarks/scaling.py, imported from the repository
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, vocab_size=64)
 
@@ -52,10 +51,10 @@ def test_models_are_the_small_presets_at_the_benchmarks_size(name):
     assert model.config._attn_implementation == get_variant(name).default_backend
 
 
-def test_bench_scaling_command_writes_table_json_and_exponents(tmp_path):
-    args = ["bench", "scaling", "--variants", "gqa", "aft_simple", "--lengths", "32", "64", "--decode_tokens", "4"]
+def test_scaling_command_writes_table_json_and_exponents(tmp_path):
+    args = ["scaling", "--variants", "gqa", "aft_simple", "--lengths", "32", "64", "--decode_tokens", "4"]
     args += ["--hidden_size", "32", "--num_hidden_layers", "1", "--vocab_size", "64", "--runs", "1"]
-    assert main([*args, "--output_dir", str(tmp_path)]) == 0
+    assert run_experiment([*args, "--output_dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "scaling.json").read_text())["results"]
     assert set(results) == {"gqa", "aft_simple"}
     for result in results.values():

@@ -131,15 +131,15 @@ def test_the_trainers_own_fsdp_option_under_torchrun_shards_too(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_sharded_compares_engines_with_one_process(tmp_path):
-    """`hf-attn-zoo bench sharded` at a tiny size: rows for one process, DDP and FSDP2, the losses equal, FSDP2's
+def test_sharded_compares_engines_with_one_process(tmp_path):
+    """`python -m experiments sharded` at a tiny size: rows for one process, DDP and FSDP2, the losses equal, FSDP2's
     parameter and optimizer bytes half of DDP's; ZeRO rows say what they need where DeepSpeed is missing."""
-    from hf_attn_zoo.cli import main
+    from experiments.__main__ import main as run_experiment
 
-    arguments = ["bench", "sharded", "--engines", "ddp", "fsdp2", "--steps", "3", "--hidden_size", "32"]
+    arguments = ["sharded", "--engines", "ddp", "fsdp2", "--steps", "3", "--hidden_size", "32"]
     arguments += ["--num_hidden_layers", "1", "--num_attention_heads", "2", "--num_key_value_heads", "1"]
     arguments += ["--intermediate_size", "64", "--vocab_size", "300", "--block_size", "32"]
-    assert main([*arguments, "--runs_dir", str(tmp_path / "runs"), "--output_dir", str(tmp_path)]) == 0
+    assert run_experiment([*arguments, "--runs_dir", str(tmp_path / "runs"), "--output_dir", str(tmp_path)]) == 0
     rows = {row["engine"]: row for row in json.loads((tmp_path / "sharded.json").read_text())["rows"]}
     assert list(rows) == ["1 process", "ddp", "fsdp2"]
     assert all(row["losses_equal"] and row["max_loss_difference"] <= 1e-4 for row in rows.values())

@@ -1,4 +1,4 @@
-"""The training-throughput benchmark (benchmarks/speed.py training): one row per variant, mode and shape against
+"""The training-throughput benchmark (experiments/speed/speed.py training): one row per variant, mode and shape against
 Llama of the same size, compiled beside eager, and its options checked before anything is built."""
 
 import json
@@ -6,10 +6,8 @@ import json
 import pytest
 from transformers import LlamaForCausalLM
 
-from hf_attn_zoo.cli import benchmark_script
+from experiments.speed import speed
 from hf_attn_zoo.models import get_variant
-
-speed = benchmark_script("speed")  # benchmarks/speed.py, imported from the repository
 
 
 def test_rows_per_mode_and_shape_and_one_table_line_per_shape(tmp_path):

@@ -203,9 +203,7 @@ def small_recipes(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
-    from hf_attn_zoo.cli import benchmark_script
-
-    uptraining = benchmark_script("uptraining")  # benchmarks/uptraining.py
+    from experiments.uptraining import uptraining
 
     addresses = tmp_path / "sotu"
     addresses.mkdir()
@@ -264,10 +262,9 @@ def test_the_experiment_runs_small_and_resumes(tmp_path, monkeypatch):
 
 
 def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
-    from hf_attn_zoo.cli import benchmark_script
+    from experiments.uptraining import uptraining
     from hf_attn_zoo.data import expand_files
 
-    uptraining = benchmark_script("uptraining")  # benchmarks/uptraining.py
     CONFIGS, split_by_year = uptraining.CONFIGS, uptraining.split_by_year
 
     parents = [CONFIGS / "train" / "sotu_mha.yaml", CONFIGS / "train" / "sotu_mha_converged.yaml"]

@@ -1,6 +1,6 @@
 """Evaluation: the perplexity harness (an `evaluate` module shipped here), lm-evaluation-harness tasks over local
-files, attention maps, and the plotting helpers they share. The benchmarks (speed, scaling, decode, int8,
-uptraining) are scripts in the repository's benchmarks/ folder, not part of the package."""
+files, attention maps, and the plotting helpers they share. The experiments (speed, scaling, decode, int8,
+uptraining, the quality board) are scripts in the repository's experiments/ folder, not part of the package."""
 
 from pathlib import Path
 

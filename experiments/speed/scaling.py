@@ -19,8 +19,7 @@ the tensors the cache holds.
 
 Writes results/scaling.md, scaling.json and, with matplotlib, scaling.png (about 15 minutes on 2 cores):
 
-    python benchmarks/scaling.py [--variants gqa linformer] [--lengths 512 1024 2048] [--output_dir DIR]
-    hf-attn-zoo bench scaling ...     (the same, from a source checkout)
+    python -m experiments scaling [--variants gqa linformer] [--lengths 512 1024 2048] [--output_dir DIR]
 """
 
 import json
@@ -34,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import Benchmark, Results, main, write_results
 
+from experiments.common import REPOSITORY, Benchmark, Results, main, write_results
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.models import VARIANTS, get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
@@ -246,8 +245,9 @@ CHILD = "--measure-in-child"
 
 
 def _child(task: str, payload: dict, env: dict) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), CHILD, task, json.dumps(payload)]
-    child = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    command = [sys.executable, "-m", __spec__.name, CHILD, task, json.dumps(payload)]
+    # run as a module of the experiments package, from the repository's root, as the parent was
+    child = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True, cwd=REPOSITORY)
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 

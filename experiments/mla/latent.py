@@ -5,11 +5,11 @@ mla-smollm2  SmolLM2-135M-Instruct (GQA-3: 3 key/value heads of width 64, 384 ca
              default 128+64, 64+32 and 32+16 keep 1/2, 1/4 and 1/8 of that cache) by each of `--methods`, calibrated
              on the last training addresses, and scored before any training (held-out SOTU 2011-2021 and the
              reference text). At each shape the method with the better held-out perplexity is then uptrained by
-             configs/uptrain/smollm2_mla.yaml, the budget of `bench uptrain-smollm2`'s MQA runs (120 steps, 246k
-             tokens), whose results (uptrain/smollm2/runs/*.json) give the MQA points. Cache bytes per token are
-             measured on each model's cache after a forward, in float32. Writes latent/smollm2/results.md,
+             configs/uptrain/smollm2_mla.yaml, the budget of `uptrain-smollm2`'s MQA runs (120 steps, 246k tokens),
+             whose results (uptraining/smollm2/runs/*.json) give the MQA points. Cache bytes per token are
+             measured on each model's cache after a forward, in float32. Writes mla/smollm2/results.md,
              results.json and cache.png (perplexity against cache bytes per token); every conversion and run is kept
-             in latent/smollm2/runs/<name>.json and read back on a rerun.
+             in mla/smollm2/runs/<name>.json and read back on a rerun.
 
 mla-decode   Greedy decoding at batch 1 after prompts of `--context_lengths` tokens, with generate()'s dynamic and
              static caches: `zoo_mla` on its absorbed path, the same model on its expanded path, and `zoo_gqa` with
@@ -20,9 +20,8 @@ mla-decode   Greedy decoding at batch 1 after prompts of `--context_lengths` tok
              samples alternate between the three, ratios are medians of back-to-back pairs. Writes
              results/mla_decode.md and .json.
 
-    python benchmarks/latent.py mla-smollm2 [--shapes 128+64 64+32 32+16] [--reference_text FILE]
-    python benchmarks/latent.py mla-decode [--shapes small smollm2] [--caches dynamic static] [--context_lengths 256]
-    hf-attn-zoo bench mla-smollm2 ... | hf-attn-zoo bench mla-decode ...     (the same, from a source checkout)
+    python -m experiments mla-smollm2 [--shapes 128+64 64+32 32+16] [--reference_text FILE]
+    python -m experiments mla-decode [--shapes small smollm2] [--caches dynamic static] [--context_lengths 256]
 """
 
 import json
@@ -32,11 +31,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from common import FOLDER, RESULTS, Benchmark, Results, alternate, compare, main, paired_ratio, write_results
-from scaling import ScalingSetup, benchmark_model, cache_nbytes
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
-from uptraining import CONFIGS, SmolLM2Setup, reference_perplexity, split_by_year, uptrain_converted
 
+from experiments.common import Benchmark, Results, alternate, compare, main, paired_ratio, write_results
+from experiments.speed.scaling import ScalingSetup, benchmark_model, cache_nbytes
+from experiments.uptraining.uptraining import (
+    CONFIGS,
+    SmolLM2Setup,
+    reference_perplexity,
+    split_by_year,
+    uptrain_converted,
+)
 from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.convert import MLA_METHODS, from_llama, mha_to_gqa, to_mla
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
@@ -45,14 +50,16 @@ from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.models import get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
 
-HELD_OUT_WINDOW = 512  # as `bench uptrain-smollm2`
+STUDY = Path(__file__).resolve().parent  # runs, tables and plots of this study
+
+HELD_OUT_WINDOW = 512  # as the `uptrain-smollm2` experiment
 
 
 @dataclass
 class LatentSetup(SmolLM2Setup):
     """SmolLM2-135M converted into MLA at several cache sizes, scored, the best of each size uptrained."""
 
-    output_dir: str = field(default=str(FOLDER / "latent" / "smollm2"), metadata={"help": "runs, results, plot"})
+    output_dir: str = field(default=str(STUDY / "smollm2"), metadata={"help": "runs, results, plot"})
     recipe: str = field(default=str(CONFIGS / "uptrain" / "smollm2_mla.yaml"), metadata={"help": "uptraining"})
     methods: list[str] = field(
         default_factory=lambda: list(MLA_METHODS), metadata={"help": "how the shared RoPE key is chosen (to_mla)"}
@@ -66,8 +73,8 @@ class LatentSetup(SmolLM2Setup):
         metadata={"help": "uptrain the better method at each shape (--no_uptrain: report only uptrainings kept)"},
     )
     mqa_runs: str = field(
-        default=str(FOLDER / "uptrain" / "smollm2" / "runs"),
-        metadata={"help": "`bench uptrain-smollm2`'s runs: the MQA points (aligned and mean pooling)"},
+        default=str(STUDY.parent / "uptraining" / "smollm2" / "runs"),
+        metadata={"help": "the `uptrain-smollm2` experiment's runs: the MQA points (aligned and mean pooling)"},
     )
 
 
@@ -270,7 +277,7 @@ def plot_cache(result: dict, path: Path) -> bool:
     return True
 
 
-# SmolLM2-135M's shape, and what `bench mla-smollm2` converts it into at a quarter of its cache (64+32): the parent's
+# SmolLM2-135M's shape, and what `mla-smollm2` converts it into at a quarter of its cache (64+32): the parent's
 # GQA-3 and MLA as `to_mla` leaves it (no-RoPE queries as wide as the latent, no latent norm, 16 of 32 frequencies)
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -290,7 +297,7 @@ CACHES = ("dynamic", "static")
 class LatentDecodeSetup(Results):
     """Batch-1 decoding of MLA, absorbed and expanded, against GQA of equal parameters."""
 
-    output_dir: str = field(default=str(RESULTS), metadata={"help": "folder for mla_decode.md and .json"})
+    output_dir: str = field(default=str(STUDY / "results"), metadata={"help": "folder for mla_decode.md and .json"})
     shapes: list[str] = field(
         default_factory=lambda: list(DECODE_SHAPES),
         metadata={

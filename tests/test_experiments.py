@@ -1,0 +1,93 @@
+"""The experiments live beside the package, never in it: `python -m experiments NAME` runs each from a checkout, and
+nothing the package installs imports them."""
+
+import ast
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.__main__ import EXPERIMENTS, main
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+PACKAGE = REPOSITORY / "hf_attn_zoo"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, by its absolute name (relative imports stay inside the package)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_package_imports_nothing_from_the_experiments():
+    files = [*PACKAGE.rglob("*.py"), REPOSITORY / "hf_attn_zoo_cli.py"]
+    reaching = {
+        str(path.relative_to(REPOSITORY)): sorted(name for name in imported_modules(path) if name.split(".")[0] in
+                                                  ("experiments", "benchmarks", "common"))
+        for path in files
+    }  # fmt: skip
+    assert {path: names for path, names in reaching.items() if names} == {}
+    # nor does it look for them on the file system: no path into the checkout's experiments folder
+    mentions = [str(p.relative_to(REPOSITORY)) for p in files if '"experiments"' in p.read_text()]
+    assert mentions == []
+
+
+def test_the_installed_package_runs_where_there_are_no_experiments(tmp_path):
+    """Importing the package and its command line from outside the checkout leaves `experiments` unimported."""
+    code = (
+        "import sys, hf_attn_zoo, hf_attn_zoo.cli, hf_attn_zoo.convert, hf_attn_zoo.evaluation\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'experiments'))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_every_experiment_names_a_benchmark_of_its_module(name):
+    module = importlib.import_module(f"experiments.{EXPERIMENTS[name][0]}")
+    assert name in module.BENCHMARKS
+    with pytest.raises(SystemExit) as exit_info:
+        main([name, "--help"])
+    assert exit_info.value.code == 0
+
+
+def test_every_benchmark_of_a_study_is_listed():
+    modules = {module for module, _ in EXPERIMENTS.values()}
+    declared = {
+        name for module in modules for name in importlib.import_module(f"experiments.{module}").BENCHMARKS
+    }  # fmt: skip
+    assert declared == set(EXPERIMENTS)
+
+
+def test_an_unknown_experiment_lists_them_all(capsys):
+    assert main(["nope"]) == 2
+    printed = capsys.readouterr().err
+    assert printed.startswith("usage: python -m experiments NAME") and all(name in printed for name in EXPERIMENTS)
+    assert main(["--help"]) == 0 and "quality" in capsys.readouterr().out
+
+
+def test_results_default_to_the_studys_folder():
+    from experiments.speed.scaling import ScalingSetup
+
+    assert Path(ScalingSetup().output_dir) == REPOSITORY / "experiments" / "speed" / "results"
+
+
+def test_llama_writes_ratios_from_the_command_line(tmp_path):
+    """`python -m experiments llama` from the repository's root, as a user runs it."""
+    args = ["llama", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64"]
+    args += ["--vocab_size", "64", "--train_seq_len", "16", "--train_steps", "1", "--prompt_len", "4"]
+    args += ["--new_tokens", "3", "--decode_batch_sizes", "1", "2", "--decode_runs", "1", "--repeats", "2"]
+    command = [sys.executable, "-m", "experiments", *args, "--output_dir", str(tmp_path)]
+    subprocess.run(command, cwd=REPOSITORY, check=True, capture_output=True, text=True)
+    result = json.loads((tmp_path / "speed_gqa_vs_llama.json").read_text())
+    assert len(result["ratios"]) == 3 and all(ratio > 0 for ratio in result["ratios"].values())
+    assert all(len(sample["llama"]) == len(sample["zoo"]) == 2 for sample in result["samples"].values())
+    assert "| zoo / Llama |" in (tmp_path / "speed_gqa_vs_llama.md").read_text()
