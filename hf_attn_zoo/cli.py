@@ -1,6 +1,6 @@
 """What the `hf-attn-zoo` commands run: one function per command, named by `hf_attn_zoo_cli.COMMANDS`, which
-parses the arguments (see that module for the commands and why it lives outside the package). `main`,
-`build_parser` and `COMMANDS` are re-exported here, so `python -m hf_attn_zoo.cli` is the command line too.
+parses the arguments (see that module for the commands and why it lives outside the package). The package never
+imports that front: it names the option classes for type checking only.
 
 A user's mistake is raised as `hf_attn_zoo.errors.UserError` (the command line prints it as one line); paths are
 checked before anything loads (`hf_attn_zoo.loading`).
@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from hf_attn_zoo_cli import COMMANDS, build_parser, main
 
 from .errors import UserError
 from .models import VARIANTS
@@ -227,9 +224,3 @@ def serve_command(options: ServeOptions) -> int:
     from .serving import serve
 
     return serve(**dataclasses.asdict(options))
-
-
-__all__ = ["COMMANDS", "build_parser", "main"]
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,18 +6,22 @@ It runs `hf_attn_zoo.training.run_training`, the code path of `hf-attn-zoo train
 that it needs nothing but the installed package.
 """
 
+from __future__ import annotations
+
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
-from hf_attn_zoo_cli import DemoOptions
-
 from .data import DataArguments
 from .models import get_variant
 from .training import ModelArguments, complete_checkpoints, run_training
+
+if TYPE_CHECKING:
+    from hf_attn_zoo_cli import DemoOptions
 
 # A small model: 4 layers x 192 (2.6M parameters with the 4096-token vocabulary); heads follow each variant's own
 # defaults beyond the count given here (single-head and AFT variants take no head count).

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hf_attn_zoo.cli import main
 from hf_attn_zoo.evaluation import attention_map, plot_attention
+from hf_attn_zoo_cli import main
 
 from test_integrations import byte_model
 

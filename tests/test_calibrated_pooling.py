@@ -167,7 +167,7 @@ def test_bad_calibration_is_named():
 def test_convert_command_fits_on_calibration_files(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from hf_attn_zoo.cli import main
+    from hf_attn_zoo_cli import main
 
     model = tiny_model("mha", vocab_size=258)
     model.save_pretrained(tmp_path / "mha")

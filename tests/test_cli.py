@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_attn_zoo import cli
-from hf_attn_zoo.cli import build_parser, main
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo_cli import build_parser, main
 
 TINY_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_gqa.yaml"
 

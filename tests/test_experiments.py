@@ -17,9 +17,20 @@ PACKAGE = REPOSITORY / "hf_attn_zoo"
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports, by its absolute name (relative imports stay inside the package)."""
+    """Every module `path` imports when it runs, by its absolute name (relative imports stay inside the package;
+    imports under `if TYPE_CHECKING:` never run)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for statement in block.body
+        for node in ast.walk(statement)
+    }
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -38,6 +49,15 @@ def test_the_package_imports_nothing_from_the_experiments():
     # nor does it look for them on the file system: no path into the checkout's experiments folder
     mentions = [str(p.relative_to(REPOSITORY)) for p in files if '"experiments"' in p.read_text()]
     assert mentions == []
+
+
+def test_the_package_never_imports_its_command_line_front():
+    """`hf_attn_zoo_cli` (beside the package, so that `--help` answers without torch) imports the package when a
+    command runs; the package naming it back would make the two one cycle."""
+    reaching = [
+        str(p.relative_to(REPOSITORY)) for p in PACKAGE.rglob("*.py") if "hf_attn_zoo_cli" in imported_modules(p)
+    ]
+    assert reaching == []
 
 
 def test_the_installed_package_runs_where_there_are_no_experiments(tmp_path):

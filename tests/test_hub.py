@@ -16,10 +16,10 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_attn_zoo.cards import model_card
-from hf_attn_zoo.cli import main
 from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
 from hf_attn_zoo.hub import push_checkpoint
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo_cli import main
 
 from conftest import CONFORMANCE
 

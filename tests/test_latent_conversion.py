@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_cli import one_line_error, saved_model
 
-from hf_attn_zoo.cli import main
 from hf_attn_zoo.convert import to_mla
 from hf_attn_zoo.convert.latent import MLA_METHODS, input_covariances, latent_attention
+from hf_attn_zoo_cli import main
 
 from conftest import ATOL, VOCAB_SIZE, assert_loads_without_the_package, left_padded_batch, returned_cache, tiny_model
 

@@ -20,7 +20,7 @@ FROM_THE_WHEEL = textwrap.dedent(
     import torch
 
     import hf_attn_zoo
-    from hf_attn_zoo.cli import main
+    from hf_attn_zoo_cli import main
     from hf_attn_zoo.models import VARIANTS
 
     site, recipe = Path(sys.argv[1]), sys.argv[2]

@@ -10,11 +10,11 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 import hf_attn_zoo.evaluation
-from hf_attn_zoo.cli import main
 from hf_attn_zoo.data import byte_level_tokenizer, tokenizer_fields
 from hf_attn_zoo.errors import UserError
 from hf_attn_zoo.evaluation.perplexity import plan_windows, score_texts, window_lengths
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo_cli import main
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 6, "short one", "x = [i * i for i in range(10)]  # squares\n" * 4]
 

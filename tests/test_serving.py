@@ -20,9 +20,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from hf_attn_zoo import cli
 from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.serving import continuous_batching_refusal
+from hf_attn_zoo_cli import main
 
 from conftest import CONFORMANCE, free_port, tiny_model
 
@@ -84,7 +84,7 @@ def expected_texts(folder: Path) -> dict[str, list[str]]:
 
 def serve_process(folder: Path, port: int, log: Path, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "hf_attn_zoo.cli", "serve", str(folder), "--port", str(port), *flags]
+    command = [sys.executable, "-m", "hf_attn_zoo_cli", "serve", str(folder), "--port", str(port), *flags]
     return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, text=True)
 
 
@@ -180,7 +180,7 @@ def test_continuous_batching_is_refused_up_front_or_not_at_all(name, tmp_path, c
     assert model_type in line and reason_of(name) in line and "without --continuous_batching" in line, line
     serving_extra()  # the command checks that the server can run at all first
     capsys.readouterr()  # what saving the checkpoint printed
-    assert cli.main(["serve", str(folder), "--continuous_batching"]) == 2
+    assert main(["serve", str(folder), "--continuous_batching"]) == 2
     assert capsys.readouterr().err.strip() == line
 
 

@@ -237,7 +237,8 @@ def test_a_run_stopped_after_its_last_checkpoint_finishes_without_another_step(t
 
 
 def test_the_demo_run_again_changes_nothing(tmp_path, capsys):
-    from hf_attn_zoo.demo import DemoOptions, run_demo
+    from hf_attn_zoo.demo import run_demo
+    from hf_attn_zoo_cli import DemoOptions
 
     options = DemoOptions(output_dir=str(tmp_path / "demo"), max_steps=4, max_documents=8, max_new_tokens=3)
     first = run_demo(options)
