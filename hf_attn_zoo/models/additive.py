@@ -18,18 +18,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
-from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
     ZooModel,
+    variant_heads,
     weighted_values,
 )
 
@@ -125,17 +121,9 @@ class ZooAdditiveModel(ZooModel):
     attention_class = ZooAdditiveAttention
 
 
-class ZooAdditiveForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooAdditiveModel
-
-
-class ZooAdditiveForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooAdditiveModel
-
-
-class ZooAdditiveForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooAdditiveModel
-
-
-class ZooAdditiveForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooAdditiveModel
+(
+    ZooAdditiveForCausalLM,
+    ZooAdditiveForSequenceClassification,
+    ZooAdditiveForTokenClassification,
+    ZooAdditiveForQuestionAnswering,
+) = variant_heads(ZooAdditiveModel)

@@ -40,18 +40,14 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers.generation import GenerationMixin
 
 from .cache_zoo import ZooStateLayer, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_positive_int, sized
 from .masks_zoo import TokenMask
 from .modeling_zoo import (
     ZooAttention,
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
     ZooModel,
+    variant_heads,
 )
 
 NO_KEY_YET = -1e30  # running max before any key: exp(NO_KEY_YET - m) is 0 for any real m, and 1 against itself
@@ -679,20 +675,12 @@ class ZooAFTFullModel(ZooModel):
     attention_class = ZooAFTAttention
 
 
-class ZooAFTFullForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooAFTFullModel
-
-
-class ZooAFTFullForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooAFTFullModel
-
-
-class ZooAFTFullForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooAFTFullModel
-
-
-class ZooAFTFullForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooAFTFullModel
+(
+    ZooAFTFullForCausalLM,
+    ZooAFTFullForSequenceClassification,
+    ZooAFTFullForTokenClassification,
+    ZooAFTFullForQuestionAnswering,
+) = variant_heads(ZooAFTFullModel)
 
 
 class ZooAFTLocalModel(ZooModel):
@@ -700,20 +688,12 @@ class ZooAFTLocalModel(ZooModel):
     attention_class = ZooAFTAttention
 
 
-class ZooAFTLocalForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooAFTLocalModel
-
-
-class ZooAFTLocalForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooAFTLocalModel
-
-
-class ZooAFTLocalForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooAFTLocalModel
-
-
-class ZooAFTLocalForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooAFTLocalModel
+(
+    ZooAFTLocalForCausalLM,
+    ZooAFTLocalForSequenceClassification,
+    ZooAFTLocalForTokenClassification,
+    ZooAFTLocalForQuestionAnswering,
+) = variant_heads(ZooAFTLocalModel)
 
 
 class ZooAFTSimpleModel(ZooModel):
@@ -721,17 +701,9 @@ class ZooAFTSimpleModel(ZooModel):
     attention_class = ZooAFTAttention
 
 
-class ZooAFTSimpleForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooAFTSimpleModel
-
-
-class ZooAFTSimpleForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooAFTSimpleModel
-
-
-class ZooAFTSimpleForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooAFTSimpleModel
-
-
-class ZooAFTSimpleForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooAFTSimpleModel
+(
+    ZooAFTSimpleForCausalLM,
+    ZooAFTSimpleForSequenceClassification,
+    ZooAFTSimpleForTokenClassification,
+    ZooAFTSimpleForQuestionAnswering,
+) = variant_heads(ZooAFTSimpleModel)

@@ -34,19 +34,15 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .compat_zoo import update_cache
 from .configuration_zoo import ZooConfig, sized
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
     ZooModel,
     ZooRMSNorm,
+    variant_heads,
 )
 from .positions_zoo import apply_rotary
 
@@ -184,17 +180,9 @@ class ZooDifferentialModel(ZooModel):
     attention_class = ZooDifferentialAttention
 
 
-class ZooDifferentialForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooDifferentialModel
-
-
-class ZooDifferentialForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooDifferentialModel
-
-
-class ZooDifferentialForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooDifferentialModel
-
-
-class ZooDifferentialForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooDifferentialModel
+(
+    ZooDifferentialForCausalLM,
+    ZooDifferentialForSequenceClassification,
+    ZooDifferentialForTokenClassification,
+    ZooDifferentialForQuestionAnswering,
+) = variant_heads(ZooDifferentialModel)

@@ -36,11 +36,9 @@ from .masks_zoo import TokenMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
     ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
     ZooModel,
     ZooModule,
+    variant_heads,
 )
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
@@ -274,6 +272,8 @@ class ZooLinformerModel(ZooModel):
 
 
 class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
+    """Refuses to generate when the projection is not causal: its own head, which `variant_heads` returns as is."""
+
     base_model_class = ZooLinformerModel
 
     def generate(self, *args, **kwargs):
@@ -285,13 +285,10 @@ class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
         return super().generate(*args, **kwargs)
 
 
-class ZooLinformerForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooLinformerModel
-
-
-class ZooLinformerForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooLinformerModel
-
-
-class ZooLinformerForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooLinformerModel
+# the causal LM above is returned as declared
+(
+    _,
+    ZooLinformerForSequenceClassification,
+    ZooLinformerForTokenClassification,
+    ZooLinformerForQuestionAnswering,
+) = variant_heads(ZooLinformerModel)

@@ -21,7 +21,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
@@ -32,11 +31,8 @@ from .configuration_zoo import HEADS, ZooConfig, sized
 from .modeling_zoo import (
     BACKENDS,
     ZooAttention,
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
     ZooModel,
+    variant_heads,
 )
 from .positions_zoo import apply_rotary
 
@@ -252,77 +248,36 @@ class ZooMHAModel(ZooMHAFamilyModel):
     config_class = ZooMHAConfig
 
 
-class ZooMHAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooMHAModel
-
-
-class ZooMHAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooMHAModel
-
-
-class ZooMHAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooMHAModel
-
-
-class ZooMHAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooMHAModel
+ZooMHAForCausalLM, ZooMHAForSequenceClassification, ZooMHAForTokenClassification, ZooMHAForQuestionAnswering = (
+    variant_heads(ZooMHAModel)
+)
 
 
 class ZooGQAModel(ZooMHAFamilyModel):
     config_class = ZooGQAConfig
 
 
-class ZooGQAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooGQAModel
-
-
-class ZooGQAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooGQAModel
-
-
-class ZooGQAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooGQAModel
-
-
-class ZooGQAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooGQAModel
+ZooGQAForCausalLM, ZooGQAForSequenceClassification, ZooGQAForTokenClassification, ZooGQAForQuestionAnswering = (
+    variant_heads(ZooGQAModel)
+)
 
 
 class ZooMQAModel(ZooMHAFamilyModel):
     config_class = ZooMQAConfig
 
 
-class ZooMQAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooMQAModel
-
-
-class ZooMQAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooMQAModel
-
-
-class ZooMQAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooMQAModel
-
-
-class ZooMQAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooMQAModel
+ZooMQAForCausalLM, ZooMQAForSequenceClassification, ZooMQAForTokenClassification, ZooMQAForQuestionAnswering = (
+    variant_heads(ZooMQAModel)
+)
 
 
 class ZooSingleHeadModel(ZooMHAFamilyModel):
     config_class = ZooSingleHeadConfig
 
 
-class ZooSingleHeadForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooSingleHeadModel
-
-
-class ZooSingleHeadForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooSingleHeadModel
-
-
-class ZooSingleHeadForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooSingleHeadModel
-
-
-class ZooSingleHeadForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooSingleHeadModel
+(
+    ZooSingleHeadForCausalLM,
+    ZooSingleHeadForSequenceClassification,
+    ZooSingleHeadForTokenClassification,
+    ZooSingleHeadForQuestionAnswering,
+) = variant_heads(ZooSingleHeadModel)

@@ -40,7 +40,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
@@ -49,12 +48,9 @@ from .configuration_zoo import HEADS, ZooConfig, _is_positive_int, sized
 from .mha import backend_attention
 from .modeling_zoo import (
     ZooAttention,
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
     ZooModel,
     ZooRMSNorm,
+    variant_heads,
 )
 from .positions_zoo import apply_rotary
 
@@ -366,17 +362,6 @@ class ZooMLAModel(ZooModel):
     attention_class = ZooMultiHeadLatentAttention
 
 
-class ZooMLAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooMLAModel
-
-
-class ZooMLAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooMLAModel
-
-
-class ZooMLAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooMLAModel
-
-
-class ZooMLAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooMLAModel
+ZooMLAForCausalLM, ZooMLAForSequenceClassification, ZooMLAForTokenClassification, ZooMLAForQuestionAnswering = (
+    variant_heads(ZooMLAModel)
+)

@@ -74,6 +74,7 @@ __all__ = [
     "ZooModule",
     "ZooPreTrainedModel",
     "ZooRMSNorm",
+    "variant_heads",
     "weighted_values",
 ]
 
@@ -869,6 +870,37 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+
+HEAD_KINDS = (ZooForCausalLM, ZooForSequenceClassification, ZooForTokenClassification, ZooForQuestionAnswering)
+
+
+def variant_heads(model_class: type[ZooModel]) -> tuple[type[ZooHead], ...]:
+    """The variant's heads over `model_class`, one per kind of `HEAD_KINDS` and in that order, for the variant file to
+    bind under their names: `ZooXForCausalLM, ZooXForSequenceClassification, ZooXForTokenClassification,
+    ZooXForQuestionAnswering = variant_heads(ZooXModel)`.
+
+    Every head of every variant is the same class body with another `base_model_class`, so it is built here once. A
+    head is named after the model class (`ZooXModel` -> `ZooXForCausalLM`) and placed in the model's module, so that
+    `auto_map`, remote-code loading (which imports the variant file and reads the class by name), pickling and the
+    Auto classes find it there. A variant whose head needs behaviour of its own declares it by hand, with
+    `base_model_class` set, before calling this: a kind the model already has is returned as declared."""
+    prefix = model_class.__name__.removesuffix("Model")  # ZooMHAModel -> ZooMHA
+    heads = []
+    for kind in HEAD_KINDS:
+        head = model_class.heads.get(kind.auto_class)
+        if head is None:
+            name = prefix + kind.__name__.removeprefix("Zoo")  # ZooForCausalLM -> ZooMHAForCausalLM
+            bases = (kind, GenerationMixin) if issubclass(kind, GenerationMixin) else (kind,)
+            namespace = {
+                "base_model_class": model_class,
+                "__module__": model_class.__module__,
+                "__qualname__": name,
+                "__doc__": f"`{kind.__name__}` over `{model_class.__name__}`.",
+            }
+            head = type(kind)(name, bases, namespace)  # ZooHead.__init_subclass__ lists it in model_class.heads
+        heads.append(head)
+    return tuple(heads)
 
 
 # Classes registered with `register_for_auto_class` count as remote code, for which `generate` runs

@@ -13,18 +13,14 @@ scores only. Ties at the k-th score are broken by `torch.topk`.
 
 import torch
 from torch.nn import functional as F
-from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
     ZooModel,
+    variant_heads,
     weighted_values,
 )
 
@@ -126,17 +122,6 @@ class ZooTopKModel(ZooModel):
     attention_class = ZooTopKAttention
 
 
-class ZooTopKForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooTopKModel
-
-
-class ZooTopKForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooTopKModel
-
-
-class ZooTopKForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooTopKModel
-
-
-class ZooTopKForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooTopKModel
+ZooTopKForCausalLM, ZooTopKForSequenceClassification, ZooTopKForTokenClassification, ZooTopKForQuestionAnswering = (
+    variant_heads(ZooTopKModel)
+)
