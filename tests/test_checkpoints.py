@@ -38,6 +38,7 @@ def test_auto_map_and_files(tmp_path):
         "checkpoint_zoo.py",
         "compat_zoo.py",
         "configuration_zoo.py",
+        "heads_zoo.py",
         "loss_zoo.py",
         "masks_zoo.py",
         "mha.py",

@@ -21,13 +21,10 @@ from transformers import initialization as init
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
+from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooModel,
-    variant_heads,
-    weighted_values,
-)
+from .modeling_zoo import ZooModel, weighted_values
 
 
 class ZooAdditiveConfig(ZooChunkedConfig):

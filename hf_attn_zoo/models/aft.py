@@ -43,12 +43,9 @@ from torch import nn
 
 from .cache_zoo import ZooStateLayer, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_positive_int, sized
+from .heads_zoo import variant_heads
 from .masks_zoo import TokenMask
-from .modeling_zoo import (
-    ZooAttention,
-    ZooModel,
-    variant_heads,
-)
+from .modeling_zoo import ZooAttention, ZooModel
 
 NO_KEY_YET = -1e30  # running max before any key: exp(NO_KEY_YET - m) is 0 for any real m, and 1 against itself
 

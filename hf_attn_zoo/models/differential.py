@@ -38,12 +38,9 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from .compat_zoo import update_cache
 from .configuration_zoo import ZooConfig, sized
+from .heads_zoo import variant_heads
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooModel,
-    ZooRMSNorm,
-    variant_heads,
-)
+from .modeling_zoo import ZooModel, ZooRMSNorm
 from .positions_zoo import apply_rotary
 
 

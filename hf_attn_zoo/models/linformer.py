@@ -32,14 +32,10 @@ from transformers.generation import GenerationMixin
 
 from .cache_zoo import ZooStateLayer, state_layer
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_choice, check_positive_int, sized
+from .heads_zoo import ZooForCausalLM, variant_heads
 from .masks_zoo import TokenMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooModel,
-    ZooModule,
-    variant_heads,
-)
+from .modeling_zoo import ZooModel, ZooModule
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
 

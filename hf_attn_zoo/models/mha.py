@@ -28,12 +28,8 @@ from transformers.utils import TransformersKwargs
 
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, sized
-from .modeling_zoo import (
-    BACKENDS,
-    ZooAttention,
-    ZooModel,
-    variant_heads,
-)
+from .heads_zoo import variant_heads
+from .modeling_zoo import BACKENDS, ZooAttention, ZooModel
 from .positions_zoo import apply_rotary
 
 

@@ -45,13 +45,9 @@ from transformers.utils import TransformersKwargs
 
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, _is_positive_int, sized
+from .heads_zoo import variant_heads
 from .mha import backend_attention
-from .modeling_zoo import (
-    ZooAttention,
-    ZooModel,
-    ZooRMSNorm,
-    variant_heads,
-)
+from .modeling_zoo import ZooAttention, ZooModel, ZooRMSNorm
 from .positions_zoo import apply_rotary
 
 

@@ -18,12 +18,10 @@ from torch.nn import functional as F
 from transformers.masking_utils import create_sliding_window_causal_mask
 
 from .configuration_zoo import HEADS, ZooConfig, sized
+from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooModel,
-    variant_heads,
-)
+from .modeling_zoo import ZooModel
 
 
 class ZooSlidingWindowConfig(ZooConfig):

@@ -16,13 +16,10 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
+from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooModel,
-    variant_heads,
-    weighted_values,
-)
+from .modeling_zoo import ZooModel, weighted_values
 
 
 class ZooTopKConfig(ZooChunkedConfig):
