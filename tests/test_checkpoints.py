@@ -36,6 +36,7 @@ def test_auto_map_and_files(tmp_path):
         "cache_zoo.py",
         "cards_zoo.py",
         "checkpoint_zoo.py",
+        "clients_zoo.py",
         "compat_zoo.py",
         "configuration_zoo.py",
         "heads_zoo.py",

@@ -69,17 +69,6 @@ class ZooMultiHeadAttention(ZooAttention):
         self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.value_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.value_dim, hidden, bias=bias)
 
-    @classmethod
-    def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
-        # transformers' paged cache (through `update_cache`) and the attention function `attend` calls read and write
-        # the pages; a subclass with a kernel of its own (only "eager" among its backends, as the backbone reads it)
-        # or a state gets the default refusal unless it answers for itself
-        if len(cls.backends) == 1 or cls.decodes_from_state():
-            return super().continuous_batching_refusal(config)
-        if config.position_embedding_type == "alibi":
-            return "ALiBi's bias needs each key's position, which transformers' paged cache does not pass to the mask"
-        return None
-
     def forward(
         self,
         hidden_states: torch.Tensor,

@@ -172,6 +172,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
     family = "mla"
     backends = ("eager", "sdpa")  # flash attention would take the padded values too; nothing here tests it
     compiles_fullgraph = True  # the path is chosen by the query length, a static shape
+    caches = "a latent (kv_lora_rank) and a shared RoPE key (qk_rope_head_dim)"  # see `cached_widths`
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     sized_by: ClassVar[dict[str, str]] = {
         "q_proj": "num_attention_heads, qk_nope_head_dim + qk_rope_head_dim, hidden_size",
@@ -204,30 +205,8 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         return ("q_a_proj", "q_b_proj", *cls.lora_targets[1:])  # the queries' bottleneck replaces q_proj
 
     @classmethod
-    def continuous_batching_refusal(cls, config: ZooMLAConfig) -> str:
-        return (
-            "it caches a latent and a shared RoPE key per token, which transformers' paged cache (keys and values "
-            "of num_key_value_heads x head_dim each) cannot hold"
-        )
-
-    @classmethod
-    def kv_compression_refusal(cls, config: ZooMLAConfig) -> str:
-        return (
-            "its cache holds one latent and one shared RoPE key per token, not per-head keys and values, so presses "
-            "that rebuild per-head RoPE queries from q_proj and score per-head keys do not apply; refused for every "
-            "press"
-        )
-
-    @classmethod
     def cached_widths(cls, config: ZooMLAConfig) -> tuple[int, int, int]:
         return 1, config.kv_lora_rank, config.qk_rope_head_dim  # the latent as keys, the RoPE key as values
-
-    @classmethod
-    def config_shaped_cache_refusal(cls, config: ZooMLAConfig) -> str:
-        return (
-            f"it caches a latent of kv_lora_rank={config.kv_lora_rank} and a RoPE key of qk_rope_head_dim="
-            f"{config.qk_rope_head_dim} per token, not keys and values of one head_dim"
-        )
 
     def __init__(self, config: ZooMLAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

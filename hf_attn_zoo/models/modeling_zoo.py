@@ -43,6 +43,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
 from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
+from .clients_zoo import attribute_refusal, cache_refusal
 from .compat_zoo import (
     CACHE_KWARG,
     PASSES_CACHE_POSITION,
@@ -60,7 +61,6 @@ __all__ = [
     "ZooModule",
     "ZooPreTrainedModel",
     "ZooRMSNorm",
-    "weighted_values",
 ]
 
 logger = logging.get_logger(__name__)
@@ -164,6 +164,15 @@ class ZooAttention(ZooModule):
     reads_positions: ClassVar[bool] = False
     # The outputs it returns with `output_attentions`: softmax weights whose rows sum to one, unless declared
     attention_weights_sum_to_one: ClassVar[bool] = True
+    # Facts about the math that clients of the cache and the kernel depend on (`clients_zoo` derives their refusals):
+    # what a layer caches per token when it is not per-head keys and values (a phrase), else None
+    caches: ClassVar[str | None] = None
+    # query/key maps per head (softmax maps combined per head; differential attention's two)
+    maps_per_head: ClassVar[int] = 1
+    # the score of a query and a key when it is not their scaled dot product (a formula), else None
+    scores: ClassVar[str | None] = None
+    # which of a query's visible scores reach the softmax when not all of them (a phrase), else None
+    keeps_scores: ClassVar[str | None] = None
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -226,30 +235,6 @@ class ZooAttention(ZooModule):
         )
 
     @classmethod
-    def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
-        """Why transformers' continuous batching cannot run this variant exactly (a short clause), or None when it can.
-
-        Continuous batching packs the requests into one row and keeps keys and values in a paged cache, which only
-        transformers' attention functions (`ALL_ATTENTION_FUNCTIONS`: paged|eager, sdpa, flash) write and read, from
-        the packed-batch keywords they receive. A kernel of its own never sees that cache: refused by default."""
-        if cls.decodes_from_state():
-            return "it decodes from a running state per layer, which transformers' paged key/value cache cannot hold"
-        return "its kernel is its own, not one of transformers' paged-attention functions"
-
-    @classmethod
-    def kv_compression_refusal(cls, config: ZooConfig) -> str | None:
-        """Why a key/value cache compressor that assumes Llama's attention (kvpress's presses) cannot be faithful to
-        this variant (one line), or None when it can. (A state layer's keys and values also refuse to be read,
-        `ZooStateLayer`, for clients that reach the cache without entering a press.)"""
-        if cls.decodes_from_state():
-            return "it decodes from a running state per layer, with no per-token keys and values to evict"
-        if config.position_embedding_type != "rope":
-            # the presses rotate the queries they rebuild with the model's rotary embedding, which this config lacks
-            position = config.position_embedding_type
-            return f"presses rebuild RoPE queries, and this model has position_embedding_type={position!r}"
-        return None
-
-    @classmethod
     def lora_modules(cls, config: ZooConfig) -> tuple[str, ...]:
         """The attention's LoRA targets in a model of `config`: `lora_targets`, unless the config changes which
         projections exist."""
@@ -262,48 +247,17 @@ class ZooAttention(ZooModule):
             return None
         return config.num_key_value_heads, cls.query_key_width(config), cls.value_width(config)
 
-    @classmethod
-    def config_shaped_cache_refusal(cls, config: ZooConfig) -> str | None:
-        """Why a cache built outside the model from the config's head shapes (keys and values of num_key_value_heads
-        x head_dim each: a static cache allocated before the first forward, as ExecuTorch's export recipe does, or
-        PEFT's prefix tuning, whose virtual tokens are such keys and values) cannot hold this variant's, or None."""
-        widths = cls.cached_widths(config)
-        if widths is None:
-            return "it decodes from a running state per layer, with no per-token keys and values"
-        if widths == (config.num_key_value_heads, config.head_dim, config.head_dim):
-            return None
-        heads, key, value = widths
-        return f"it caches {heads} key/value head(s) per token with keys {key} and values {value} wide"
-
     def __setattr__(self, name: str, value) -> None:
-        # kvpress's presses start by attaching the model's rotary embedding to every attention layer (`rotary_emb`),
-        # to rebuild the layer's queries as Llama's `q_proj` rotated by RoPE: a variant whose attention is not that
-        # refuses there, before any token runs, rather than failing in a press's scorer or keeping the wrong tokens
-        if name == "rotary_emb" and (reason := self.kv_compression_refusal(self.config)) is not None:
-            raise AttributeError(
-                f"{type(self).__name__} takes no `rotary_emb`: key/value cache compression that rebuilds Llama's "
-                f"attention from the layer (kvpress's presses) cannot apply to this variant: {reason}."
-            )
+        # clients that attach attributes to attention layers (kvpress's rotary embedding) are answered by
+        # `clients_zoo`, from the facts above, before any token runs
+        if (refusal := attribute_refusal(self, name)) is not None:
+            raise AttributeError(refusal)
         super().__setattr__(name, value)
 
     @classmethod
     def share_across_layers(cls, model: "ZooModel") -> None:
         """Parameters all layers share (Linformer's layerwise projection): built on `model` before initialisation
         and handed to its layers; none by default."""
-
-
-def weighted_values(
-    outputs: list[torch.Tensor], weights: list[torch.Tensor], value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The result of a chunked kernel: `(B, T, H, d)` and the attention weights `(B, H, T, S)` or None.
-
-    Without weights the chunks' outputs `(B, H, C, d)` are joined. With weights (`output_attentions`) the chunks
-    gave their weight rows instead, and the output is computed from the joined matrix, so the weights returned are
-    the ones the output depends on (their gradients exist, as for transformers' eager attention)."""
-    if weights:
-        weights = torch.cat(weights, dim=2)  # (B, H, T, S)
-        return torch.matmul(weights, value).transpose(1, 2), weights
-    return torch.cat(outputs, dim=2).transpose(1, 2), None  # (B, H, T, d) -> (B, T, H, d)
 
 
 class ZooDecoderLayer(GradientCheckpointingLayer):
@@ -583,55 +537,10 @@ class ZooModel(ZooPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
 
     def _check_cache(self, cache: Cache) -> None:
-        """Refuse, before any layer runs, a cache built outside the model that cannot hold this variant: key/value
-        layers for a variant that decodes from a state, or keys and values of other widths (a static cache
-        allocated from the config's head shapes, PEFT's prefix tuning). Exporters tracing with such a cache and PEFT
-        users then read why, rather than a shape error from inside a layer."""
-        layers = getattr(cache, "layers", None)
-        if not layers:
-            return
-        attention, model_type = self.attention_class, self.config.model_type
-        if attention.decodes_from_state():
-            if all(isinstance(layer, attention.cache_layer) for layer in layers):
-                return
-            # what a cache holds is data to a tracer (a static cache counts its filled slots): exporters get the
-            # message below, PEFT (eager) this one
-            held = 0 if torch.compiler.is_compiling() else int(cache.get_seq_length())
-            if held:
-                raise TypeError(
-                    f"{model_type} decodes from a running state per layer, but was handed a {type(cache).__name__} "
-                    f"already holding {held} tokens of keys and values: that is how PEFT's prefix tuning passes its "
-                    f"virtual tokens, and a running state has no per-token keys and values to put them before, so "
-                    f"prefix tuning cannot apply to this variant; use prompt tuning (PEFT's PromptTuningConfig: "
-                    f"virtual token embeddings) or LoRA instead."
-                )
-            raise TypeError(
-                f"{model_type} decodes from a running state per layer, which a {type(cache).__name__} of keys and "
-                f"values cannot hold, so it cannot decode from (or be exported with) a static key/value cache. Pass "
-                f"cache=model.model.make_cache() or let generate() create it; to export, export the forward without "
-                f"a cache (use_cache=False)."
-            )
-        layer = layers[0]
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not getattr(layer, "is_initialized", False) or keys is None or values is None or keys.dim() != 4:
-            return
-        heads, key_width, value_width = attention.cached_widths(self.config)
-        if (keys.shape[1], keys.shape[-1], values.shape[1], values.shape[-1]) == (
-            heads,
-            key_width,
-            heads,
-            value_width,
-        ):
-            return
-        raise TypeError(
-            f"{model_type} cannot use the cache handed in: its layer 0 holds keys of {keys.shape[1]} head(s) x "
-            f"{keys.shape[-1]} and values of {values.shape[1]} x {values.shape[-1]}, but "
-            f"{attention.config_shaped_cache_refusal(self.config)}. A cache sized from the config's head shapes "
-            f"(num_key_value_heads x head_dim) cannot hold it: PEFT's prefix tuning, whose virtual tokens are such "
-            f"keys and values, cannot apply to this variant (use prompt tuning or LoRA instead), and a static cache "
-            f"must size itself from its first write (generate(cache_implementation='static') does) or be left out "
-            f"(export the forward with use_cache=False)."
-        )
+        """Refuse, before any layer runs, a cache built outside the model that cannot hold this variant's (the
+        reasons are in `clients_zoo.cache_refusal`)."""
+        if (refusal := cache_refusal(self.attention_class, self.config, cache)) is not None:
+            raise TypeError(refusal)
 
     def _check_learned_positions(self, position_ids: torch.LongTensor) -> None:
         if torch.compiler.is_compiling():
