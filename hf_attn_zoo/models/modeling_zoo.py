@@ -46,7 +46,7 @@ from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mism
 from .clients_zoo import attribute_refusal, cache_refusal
 from .compat_zoo import (
     CACHE_KWARG,
-    PASSES_CACHE_POSITION,
+    add_cache_position,
     takes_past_key_values,
 )
 from .configuration_zoo import ZooConfig
@@ -480,9 +480,7 @@ class ZooModel(ZooPreTrainedModel):
             cache = self.make_cache()
         if cache is not None:
             self._check_cache(cache)
-        if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:  # transformers < 5.3: as Llama there
-            past = cache.get_seq_length() if cache is not None else 0
-            kwargs["cache_position"] = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
+        add_cache_position(kwargs, cache, inputs_embeds)
         if position_ids is None:
             # the cache's length is read only here, as in Llama: continuous batching gives positions with a paged
             # cache that has no single length
