@@ -9,7 +9,7 @@ and then starts that same server, in this process, preloaded with the checkpoint
 
 With `--continuous_batching`, transformers packs concurrent requests into one row and keeps keys and values in a
 paged cache that only its attention functions (`ALL_ATTENTION_FUNCTIONS`) write and read. Each variant's attention
-class says whether it can run exactly that way (`ZooAttention.continuous_batching_refusal`); one that cannot is
+class states its math and `models/clients_zoo.py` says whether it can run exactly that way; one that cannot is
 refused here, before the server starts, with one line saying why and what to run instead, rather than answering
 with text its own `generate()` would not give or killing the server's batching worker.
 """
@@ -21,7 +21,7 @@ import transformers
 from transformers import AutoConfig
 
 from .loading import check_model_folder
-from .models import VARIANTS, get_variant
+from .models import VARIANTS, clients_zoo, get_variant
 
 
 def continuous_batching_refusal(checkpoint: str | Path, trust_remote_code: bool = False) -> str | None:
@@ -30,7 +30,7 @@ def continuous_batching_refusal(checkpoint: str | Path, trust_remote_code: bool 
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     if config.model_type not in {variant.model_type for variant in VARIANTS.values()}:
         return None  # by model type, not class: with trust_remote_code the config is the checkpoint's own copy
-    reason = get_variant(config.model_type).attention_class.continuous_batching_refusal(config)
+    reason = clients_zoo.continuous_batching_refusal(get_variant(config.model_type).attention_class, config)
     if reason is None:
         return None
     return (

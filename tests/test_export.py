@@ -13,6 +13,7 @@ import torch
 from torch.export import Dim
 
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models.clients_zoo import config_shaped_cache_refusal
 
 from conftest import CONFORMANCE, tiny_config, tiny_model
 
@@ -72,7 +73,7 @@ def preallocation_refused(name: str) -> bool:
     """Whether the variant's keys and values (at the tiny test config) differ from the config's head shapes, which a
     static cache allocated before the first write assumes (state variants refuse every key/value cache)."""
     attention = VARIANTS[name].attention_class
-    return not attention.decodes_from_state() and attention.config_shaped_cache_refusal(tiny_config(name)) is not None
+    return not attention.decodes_from_state() and config_shaped_cache_refusal(attention, tiny_config(name)) is not None
 
 
 @pytest.mark.parametrize(
@@ -114,7 +115,7 @@ def test_executorch_static_cache_refuses_other_widths(name, works_with):
     """A cache the recipe allocates from the config's head shapes before the first forward cannot hold this variant's
     (MLA: a latent and a RoPE key of their own widths): the export reports why and what to do instead."""
     model = tiny_model(name)
-    reason = model.model.attention_class.config_shaped_cache_refusal(model.config)
+    reason = config_shaped_cache_refusal(model.model.attention_class, model.config)
     with pytest.raises(Exception, match="must size itself from its first write") as raised:
         executorch_module(model).export(input_ids=torch.tensor([[5]]), cache_position=torch.tensor([0]))
     assert reason in str(raised.value) and "use_cache=False" in str(raised.value)

@@ -26,6 +26,7 @@ from transformers import DynamicCache, LlamaForCausalLM, MistralConfig, MistralF
 from hf_attn_zoo.convert import from_llama
 from hf_attn_zoo.convert.llama import LLAMA_BACKBONE, SHARED_FIELDS
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models.clients_zoo import kv_compression_refusal
 
 from conftest import ATOL, CACHE_KWARG, VOCAB_SIZE, tiny_model
 
@@ -161,7 +162,7 @@ def test_press_on_a_state_variant_refuses_saying_why(name, works_with):
     model(torch.randint(3, VOCAB_SIZE, (1, 16)), cache=cache)
     with pytest.raises(AttributeError, match="running state"):
         _ = cache.layers[0].keys
-    works_with("kvpress", name, refused=model.model.attention_class.kv_compression_refusal(model.config))
+    works_with("kvpress", name, refused=kv_compression_refusal(model.model.attention_class, model.config))
 
 
 def llama_like(num_key_value_heads: int = 2, **changes):
@@ -250,7 +251,7 @@ def test_press_on_a_variant_it_cannot_be_faithful_to_refuses_saying_why(name, pr
     `q_proj` and the rotary embedding: entering the press fails at once, before any token runs, with the variant's
     reason."""
     model = tiny_model(name)
-    reason = model.model.attention_class.kv_compression_refusal(model.config)
+    reason = kv_compression_refusal(model.model.attention_class, model.config)
     assert reason and "\n" not in reason
     with pytest.raises(AttributeError, match="kvpress") as refusal, torch.no_grad():
         with make_press(press_name)(model):

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from hf_attn_zoo.convert import to_llama
 from hf_attn_zoo.lora import lora_table, lora_target_modules
 from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models.clients_zoo import config_shaped_cache_refusal
 
 from conftest import ATOL, tiny_model
 from test_integrations import byte_model
@@ -205,7 +206,7 @@ def prefix_case_id(case) -> str:
 def test_prefix_tuning_trains_and_generates_or_is_refused_naming_it(name, fields):
     model, tokenizer = lora_model(name) if not fields else byte_model(name, intermediate_size=64, **fields)
     attention = VARIANTS[name].attention_class
-    refusal = attention.config_shaped_cache_refusal(model.config)
+    refusal = config_shaped_cache_refusal(attention, model.config)
     prefixed = get_peft_model(model, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
     batch = tokenizer([TEXT[:BLOCK]], return_tensors="pt")
     if refusal is not None:  # a state, or keys and values of their own widths: refused at the first forward

@@ -20,7 +20,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models import VARIANTS, clients_zoo
 from hf_attn_zoo.serving import continuous_batching_refusal
 from hf_attn_zoo_cli import main
 
@@ -162,7 +162,7 @@ def serving_extra() -> None:
 def reason_of(name: str) -> str | None:
     """The variant's own answer: why continuous batching cannot run it, or None."""
     config = tiny_model(name).config
-    return VARIANTS[name].attention_class.continuous_batching_refusal(config)
+    return clients_zoo.continuous_batching_refusal(VARIANTS[name].attention_class, config)
 
 
 # fast: the refusal is decided before anything is served

@@ -1,5 +1,8 @@
 """Task heads: a sequence classifier fine-tuned from a saved causal LM with a plain `transformers.Trainer`."""
 
+import pickle
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
@@ -66,3 +69,23 @@ def test_sequence_classifier_fine_tunes_from_a_causal_lm_checkpoint(name, tmp_pa
         predicted = model(input_ids=held_out["input_ids"], attention_mask=held_out["attention_mask"]).logits.argmax(-1)
     accuracy = (predicted == held_out["labels"]).float().mean().item()
     assert accuracy > 0.9, accuracy  # chance is 0.5
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_head_is_a_module_attribute_under_its_name(name):
+    """The heads a variant file binds from `variant_heads` live where `auto_map`, remote-code loading and pickle look
+    for them: the variant's module, under their own name, with their own qualified name."""
+    model_class = VARIANTS[name].causal_lm_class.base_model_class
+    assert set(model_class.heads) == {
+        "AutoModelForCausalLM",
+        "AutoModelForSequenceClassification",
+        "AutoModelForTokenClassification",
+        "AutoModelForQuestionAnswering",
+    }
+    module = sys.modules[model_class.__module__]
+    for head in model_class.heads.values():
+        assert head.__module__ == model_class.__module__ and head.__qualname__ == head.__name__
+        assert getattr(module, head.__name__) is head, head.__name__
+        assert head.base_model_class is model_class and head.config_class is model_class.config_class
+    model = VARIANTS[name].causal_lm_class(tiny_model(name).config)
+    assert type(pickle.loads(pickle.dumps(model))) is type(model)

@@ -16,6 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+# what a refused variant can do instead, per client (shown after the reason), said where the refusals are decided
+from hf_attn_zoo.models.clients_zoo import INSTEAD
+
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
 RESULTS = TESTS / "works_with.json"
@@ -30,11 +33,6 @@ CLIENTS = {
     "export": "`torch.export`, dynamic batch × length",
     "onnx": "ONNX in onnxruntime",
     "kvpress": "kvpress presses",
-}
-# what a refused variant can do instead, per client (shown after the reason)
-INSTEAD = {
-    "serve-cb": "serve it without `--continuous_batching`",
-    "kvpress": "decode with the full cache",
 }
 # the test files that record outcomes
 CLIENT_TESTS = ["tests/test_clients.py", "tests/test_serving.py", "tests/test_export.py", "tests/test_floor.py"]

@@ -27,9 +27,11 @@ of one another within a group ("aligned"), identical heads anywhere in the layer
 another anywhere in it ("grouped_aligned") convert without changing the model's function.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 ALIGNMENT_ITERATIONS = 3
 CALIBRATION_TOKENS_PER_CHANNEL = 4  # at least 4 x head_dim tokens: an orthogonal fit in d dimensions needs d at least
@@ -64,28 +66,41 @@ def calibration_batches(
 
 
 @torch.no_grad()
-def key_value_activations(model, batches: Sequence[torch.LongTensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, the calibration tokens' keys `(N, G0, d_qk)` (before RoPE) and values `(N, G0, d_v)`: the outputs
-    of `k_proj` and `v_proj`, caught by hooks during plain forwards."""
-    kv_heads = model.config.num_key_value_heads
-    caught: dict[tuple[int, str], list[torch.Tensor]] = {}
-    hooks = []
-    for index, layer in enumerate(model.model.layers):
-        for name in ("k_proj", "v_proj"):
-
-            def keep(module, inputs, output, key=(index, name)):
-                caught.setdefault(key, []).append(output.reshape(-1, output.shape[-1]))  # (B T, G0 d)
-
-            hooks.append(getattr(layer.self_attn, name).register_forward_hook(keep))
+def run_hooked(
+    model, batches: Sequence[torch.LongTensor], attach: Callable[[int, nn.Module], Iterable[RemovableHandle]]
+) -> None:
+    """Plain forwards of the calibration `batches` through `model.model` (eval mode, no cache), with the hooks that
+    `attach(index, layer)` registers on each decoder layer in place; whatever happens, the hooks are removed and the
+    model's training mode is restored afterwards. The hooks collect what a conversion fits on."""
+    handles: list[RemovableHandle] = []
     training = model.training
     try:
+        for index, layer in enumerate(model.model.layers):
+            handles.extend(attach(index, layer))
         model.eval()
         for batch in batches:
             model.model(input_ids=batch.to(model.device), use_cache=False)
     finally:
         model.train(training)
-        for hook in hooks:
-            hook.remove()
+        for handle in handles:
+            handle.remove()
+
+
+def key_value_activations(model, batches: Sequence[torch.LongTensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the calibration tokens' keys `(N, G0, d_qk)` (before RoPE) and values `(N, G0, d_v)`: the outputs
+    of `k_proj` and `v_proj`, caught by hooks during plain forwards."""
+    kv_heads = model.config.num_key_value_heads
+    caught: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def attach(index: int, layer: nn.Module) -> Iterator[RemovableHandle]:
+        for name in ("k_proj", "v_proj"):
+
+            def keep(module, inputs, output, key=(index, name)):
+                caught.setdefault(key, []).append(output.reshape(-1, output.shape[-1]))  # (B T, G0 d)
+
+            yield getattr(layer.self_attn, name).register_forward_hook(keep)
+
+    run_hooked(model, batches, attach)
     return [
         tuple(torch.cat(caught[(index, name)]).unflatten(-1, (kv_heads, -1)).double() for name in ("k_proj", "v_proj"))
         for index in range(len(model.model.layers))

@@ -35,9 +35,11 @@ TransMLA also keeps one head's worth of RoPE (all frequencies, `qk_rope_head_dim
 import math
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..models import ZooForCausalLM, get_variant
-from .calibrated import calibration_batches, check_enough
+from .calibrated import calibration_batches, check_enough, run_hooked
 from .llama import from_llama, in_mha_family
 
 MLA_METHODS = ("rorope", "mean")
@@ -49,28 +51,20 @@ def input_covariances(model: ZooForCausalLM, batches: list[torch.LongTensor]) ->
     tokens, accumulated by hooks during plain forwards."""
     sums: list[torch.Tensor | None] = [None] * len(model.model.layers)
     count = [0]
-    hooks = []
-    for index, layer in enumerate(model.model.layers):
 
-        def accumulate(module, args, kwargs, index=index):
+    def attach(index: int, layer: nn.Module) -> list[RemovableHandle]:
+        def accumulate(module, args, kwargs):
             x = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).reshape(
                 -1, model.config.hidden_size
-            )
+            )  # (B, T, D) -> (B T, D)
             x = x.double()
             sums[index] = x.T @ x if sums[index] is None else sums[index] + x.T @ x
             if index == 0:
                 count[0] += x.shape[0]
 
-        hooks.append(layer.self_attn.register_forward_pre_hook(accumulate, with_kwargs=True))
-    training = model.training
-    try:
-        model.eval()
-        for batch in batches:
-            model.model(input_ids=batch.to(model.device), use_cache=False)
-    finally:
-        model.train(training)
-        for hook in hooks:
-            hook.remove()
+        return [layer.self_attn.register_forward_pre_hook(accumulate, with_kwargs=True)]
+
+    run_hooked(model, batches, attach)
     return [total.cpu() / count[0] for total in sums]
 
 

@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModel
 
 from . import additive, aft, differential, linformer, mha, mla, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
-from .modeling_zoo import ZooAttention, ZooForCausalLM, ZooMLP, ZooModel, ZooPreTrainedModel
+from .heads_zoo import ZooForCausalLM
+from .modeling_zoo import ZooAttention, ZooMLP, ZooModel, ZooPreTrainedModel
 
 
 @dataclass(frozen=True)

@@ -16,22 +16,15 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import initialization as init
-from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from .chunked_zoo import chunked_softmax_attention
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
+from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
-    ZooModel,
-    weighted_values,
-)
+from .modeling_zoo import ZooModel
 
 
 class ZooAdditiveConfig(ZooChunkedConfig):
@@ -61,6 +54,7 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
     mask_type = "blockwise"
+    scores = "v·tanh(q + k)"
     sized_by: ClassVar[dict[str, str]] = {
         **ZooMultiHeadAttention.sized_by,
         "q_proj": "num_attention_heads, additive_dim, hidden_size",
@@ -73,20 +67,6 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
         self.score_vector = nn.Parameter(torch.empty(self.num_heads, config.additive_dim))
 
     @classmethod
-    def continuous_batching_refusal(cls, config: ZooAdditiveConfig) -> str:
-        return "its scores are v·tanh(q + k), which transformers' paged-attention functions do not compute"
-
-    @classmethod
-    def kv_compression_refusal(cls, config: ZooAdditiveConfig) -> str:
-        # a press's key norms or rebuilt dot-product queries say nothing of v·tanh(q + k); and ALiBi's bias takes a
-        # cached key's position from its slot (`key_positions`), which evicting earlier tokens would shift
-        return (
-            "its scores are v·tanh(q + k) without RoPE, so presses that rebuild rotated dot-product queries "
-            "(ExpectedAttention, SnapKV) score another kernel, and evicting tokens shifts ALiBi's key positions; "
-            "refused for every press"
-        )
-
-    @classmethod
     def query_key_width(cls, config: ZooAdditiveConfig) -> int:
         return config.additive_dim  # queries and keys live in the tanh layer's width
 
@@ -96,28 +76,21 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
     def attend(self, query, key, value, attention_mask: BlockwiseCausalMask, **kwargs):
         # query (B, H, T, a); key (B, G, S, a) and value (B, G, S, d) -> one key/value head per query head
         key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
-        chunk, key_length = self.config.query_chunk_size, key.shape[2]
-        exporting = torch.compiler.is_exporting()
-        # a graph cannot loop over a dynamic length (range() would fix it): while exporting, one chunk of every query
-        starts = (0,) if exporting else range(0, query.shape[2], chunk)
-        chunk = query.shape[2] if exporting else chunk
-        outputs, weights = [], []
-        for start in starts:
-            end = min(query.shape[2], start + chunk)
-            visible = attention_mask.past_length + end  # keys after the chunk's last query are never seen: skip them
+
+        def scores_of(start: int, end: int, visible: int) -> torch.Tensor:
             # (B, H, C, 1, a) + (B, H, 1, K, a) -> (B, H, C, K, a); tanh in place: its backward needs only its output
             hidden = (query[:, :, start:end, None, :] + key[:, :, None, :visible, :]).tanh_()
             # (B, H, C·K, a) @ (H, a, 1) -> (B, H, C, K): one batched matmul over the block as it lies in memory
             # (an einsum over the same axes measured 7% slower per training step)
             scores = torch.matmul(hidden.flatten(2, 3), self.score_vector[:, :, None]).view(hidden.shape[:4])
             scores += attention_mask.additive(start, end, scores.dtype, k_end=visible)
-            probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
-            if kwargs.get("output_attentions"):
-                weights.append(F.pad(probabilities, (0, key_length - visible)))
-            else:
-                outputs.append(torch.matmul(probabilities, value[:, :, :visible]))  # (B, H, C, d)
-        return weighted_values(outputs, weights, value)
+            return scores
+
+        # keys after a chunk's last query are never seen (past_length given): skipped; while exporting, one chunk
+        chunk = None if torch.compiler.is_exporting() else self.config.query_chunk_size
+        return chunked_softmax_attention(
+            self, scores_of, value, query.shape[2], chunk, attention_mask.past_length, kwargs.get("output_attentions")
+        )
 
 
 class ZooAdditiveModel(ZooModel):
@@ -125,17 +98,9 @@ class ZooAdditiveModel(ZooModel):
     attention_class = ZooAdditiveAttention
 
 
-class ZooAdditiveForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooAdditiveModel
-
-
-class ZooAdditiveForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooAdditiveModel
-
-
-class ZooAdditiveForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooAdditiveModel
-
-
-class ZooAdditiveForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooAdditiveModel
+(
+    ZooAdditiveForCausalLM,
+    ZooAdditiveForSequenceClassification,
+    ZooAdditiveForTokenClassification,
+    ZooAdditiveForQuestionAnswering,
+) = variant_heads(ZooAdditiveModel)

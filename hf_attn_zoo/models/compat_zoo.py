@@ -153,6 +153,14 @@ def build_mask(mask_function: Callable, allow_is_causal_skip: bool = True, **kwa
 PASSES_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
 
 
+def add_cache_position(kwargs: dict, cache: Cache | None, inputs_embeds: torch.Tensor) -> None:
+    """Before 5.3, put the new tokens' slots in the cache into the attention keywords when the caller gave none, as
+    Llama's model does there (attention hooks, kvpress's, and static caches read them); from 5.3 nothing."""
+    if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:
+        past = cache.get_seq_length() if cache is not None else 0
+        kwargs["cache_position"] = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
+
+
 def update_cache(
     cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, attention_kwargs: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +190,7 @@ __all__ = [
     "DATACLASS_CONFIGS",
     "PASSES_CACHE_POSITION",
     "ZooConfigBase",
+    "add_cache_position",
     "build_mask",
     "returned_cache",
     "cache_mask_sizes",

@@ -34,20 +34,13 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .compat_zoo import update_cache
 from .configuration_zoo import ZooConfig, sized
+from .heads_zoo import variant_heads
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
-    ZooModel,
-    ZooRMSNorm,
-)
+from .modeling_zoo import ZooModel, ZooRMSNorm
 from .positions_zoo import apply_rotary
 
 
@@ -87,6 +80,7 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
     backends = ("eager", "sdpa")
     compiles_fullgraph = False  # not run compiled in this project
     attention_weights_sum_to_one = False  # rows of A1 - λ·A2 sum to 1 - λ
+    maps_per_head = 2
     sized_by: ClassVar[dict[str, str]] = {
         "q_proj": "num_attention_heads, head_dim (two maps), hidden_size",
         "k_proj": "num_key_value_heads, head_dim (two maps), hidden_size",
@@ -95,20 +89,6 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
         **dict.fromkeys(("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"), "head_dim (a map: head_dim / 2)"),
         "head_norm": "head_dim",
     }
-
-    @classmethod
-    def continuous_batching_refusal(cls, config: ZooDifferentialConfig) -> str:
-        # each of its two attention calls would write the layer's keys into the paged cache, the second over the first
-        return "it runs two attention maps per layer, and transformers' paged cache holds one per layer"
-
-    @classmethod
-    def kv_compression_refusal(cls, config: ZooDifferentialConfig) -> str:
-        # unrefused on kvpress 0.5, ExpectedAttention and SnapKV fail reshaping q_proj's output into one query a head
-        return (
-            "each head attends with two query/key maps (A1 - λ·A2, each head_dim / 2 wide, side by side in q_proj "
-            "and k_proj), so presses that rebuild one RoPE query per head from q_proj (ExpectedAttention, SnapKV) "
-            "do not apply; refused for every press"
-        )
 
     @classmethod
     def rotary_dim(cls, config: ZooDifferentialConfig) -> int:
@@ -184,17 +164,9 @@ class ZooDifferentialModel(ZooModel):
     attention_class = ZooDifferentialAttention
 
 
-class ZooDifferentialForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooDifferentialModel
-
-
-class ZooDifferentialForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooDifferentialModel
-
-
-class ZooDifferentialForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooDifferentialModel
-
-
-class ZooDifferentialForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooDifferentialModel
+(
+    ZooDifferentialForCausalLM,
+    ZooDifferentialForSequenceClassification,
+    ZooDifferentialForTokenClassification,
+    ZooDifferentialForQuestionAnswering,
+) = variant_heads(ZooDifferentialModel)

@@ -32,16 +32,10 @@ from transformers.generation import GenerationMixin
 
 from .cache_zoo import ZooStateLayer, state_layer
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_choice, check_positive_int, sized
+from .heads_zoo import ZooForCausalLM, variant_heads
 from .masks_zoo import TokenMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
-    ZooModel,
-    ZooModule,
-)
+from .modeling_zoo import ZooModel, ZooModule
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
 
@@ -274,6 +268,8 @@ class ZooLinformerModel(ZooModel):
 
 
 class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
+    """Refuses to generate when the projection is not causal: its own head, which `variant_heads` returns as is."""
+
     base_model_class = ZooLinformerModel
 
     def generate(self, *args, **kwargs):
@@ -285,13 +281,10 @@ class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
         return super().generate(*args, **kwargs)
 
 
-class ZooLinformerForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooLinformerModel
-
-
-class ZooLinformerForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooLinformerModel
-
-
-class ZooLinformerForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooLinformerModel
+# the causal LM above is returned as declared
+(
+    _,
+    ZooLinformerForSequenceClassification,
+    ZooLinformerForTokenClassification,
+    ZooLinformerForQuestionAnswering,
+) = variant_heads(ZooLinformerModel)

@@ -21,7 +21,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
@@ -29,15 +28,8 @@ from transformers.utils import TransformersKwargs
 
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, sized
-from .modeling_zoo import (
-    BACKENDS,
-    ZooAttention,
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
-    ZooModel,
-)
+from .heads_zoo import variant_heads
+from .modeling_zoo import BACKENDS, ZooAttention, ZooModel
 from .positions_zoo import apply_rotary
 
 
@@ -76,17 +68,6 @@ class ZooMultiHeadAttention(ZooAttention):
         self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.query_key_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.value_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.value_dim, hidden, bias=bias)
-
-    @classmethod
-    def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
-        # transformers' paged cache (through `update_cache`) and the attention function `attend` calls read and write
-        # the pages; a subclass with a kernel of its own (only "eager" among its backends, as the backbone reads it)
-        # or a state gets the default refusal unless it answers for itself
-        if len(cls.backends) == 1 or cls.decodes_from_state():
-            return super().continuous_batching_refusal(config)
-        if config.position_embedding_type == "alibi":
-            return "ALiBi's bias needs each key's position, which transformers' paged cache does not pass to the mask"
-        return None
 
     def forward(
         self,
@@ -252,77 +233,36 @@ class ZooMHAModel(ZooMHAFamilyModel):
     config_class = ZooMHAConfig
 
 
-class ZooMHAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooMHAModel
-
-
-class ZooMHAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooMHAModel
-
-
-class ZooMHAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooMHAModel
-
-
-class ZooMHAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooMHAModel
+ZooMHAForCausalLM, ZooMHAForSequenceClassification, ZooMHAForTokenClassification, ZooMHAForQuestionAnswering = (
+    variant_heads(ZooMHAModel)
+)
 
 
 class ZooGQAModel(ZooMHAFamilyModel):
     config_class = ZooGQAConfig
 
 
-class ZooGQAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooGQAModel
-
-
-class ZooGQAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooGQAModel
-
-
-class ZooGQAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooGQAModel
-
-
-class ZooGQAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooGQAModel
+ZooGQAForCausalLM, ZooGQAForSequenceClassification, ZooGQAForTokenClassification, ZooGQAForQuestionAnswering = (
+    variant_heads(ZooGQAModel)
+)
 
 
 class ZooMQAModel(ZooMHAFamilyModel):
     config_class = ZooMQAConfig
 
 
-class ZooMQAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooMQAModel
-
-
-class ZooMQAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooMQAModel
-
-
-class ZooMQAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooMQAModel
-
-
-class ZooMQAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooMQAModel
+ZooMQAForCausalLM, ZooMQAForSequenceClassification, ZooMQAForTokenClassification, ZooMQAForQuestionAnswering = (
+    variant_heads(ZooMQAModel)
+)
 
 
 class ZooSingleHeadModel(ZooMHAFamilyModel):
     config_class = ZooSingleHeadConfig
 
 
-class ZooSingleHeadForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooSingleHeadModel
-
-
-class ZooSingleHeadForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooSingleHeadModel
-
-
-class ZooSingleHeadForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooSingleHeadModel
-
-
-class ZooSingleHeadForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooSingleHeadModel
+(
+    ZooSingleHeadForCausalLM,
+    ZooSingleHeadForSequenceClassification,
+    ZooSingleHeadForTokenClassification,
+    ZooSingleHeadForQuestionAnswering,
+) = variant_heads(ZooSingleHeadModel)

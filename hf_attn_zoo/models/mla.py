@@ -40,22 +40,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.generation import GenerationMixin
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, _is_positive_int, sized
+from .heads_zoo import variant_heads
 from .mha import backend_attention
-from .modeling_zoo import (
-    ZooAttention,
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
-    ZooModel,
-    ZooRMSNorm,
-)
+from .modeling_zoo import ZooAttention, ZooModel, ZooRMSNorm
 from .positions_zoo import apply_rotary
 
 
@@ -180,6 +172,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
     family = "mla"
     backends = ("eager", "sdpa")  # flash attention would take the padded values too; nothing here tests it
     compiles_fullgraph = True  # the path is chosen by the query length, a static shape
+    caches = "a latent (kv_lora_rank) and a shared RoPE key (qk_rope_head_dim)"  # see `cached_widths`
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     sized_by: ClassVar[dict[str, str]] = {
         "q_proj": "num_attention_heads, qk_nope_head_dim + qk_rope_head_dim, hidden_size",
@@ -212,30 +205,8 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         return ("q_a_proj", "q_b_proj", *cls.lora_targets[1:])  # the queries' bottleneck replaces q_proj
 
     @classmethod
-    def continuous_batching_refusal(cls, config: ZooMLAConfig) -> str:
-        return (
-            "it caches a latent and a shared RoPE key per token, which transformers' paged cache (keys and values "
-            "of num_key_value_heads x head_dim each) cannot hold"
-        )
-
-    @classmethod
-    def kv_compression_refusal(cls, config: ZooMLAConfig) -> str:
-        return (
-            "its cache holds one latent and one shared RoPE key per token, not per-head keys and values, so presses "
-            "that rebuild per-head RoPE queries from q_proj and score per-head keys do not apply; refused for every "
-            "press"
-        )
-
-    @classmethod
     def cached_widths(cls, config: ZooMLAConfig) -> tuple[int, int, int]:
         return 1, config.kv_lora_rank, config.qk_rope_head_dim  # the latent as keys, the RoPE key as values
-
-    @classmethod
-    def config_shaped_cache_refusal(cls, config: ZooMLAConfig) -> str:
-        return (
-            f"it caches a latent of kv_lora_rank={config.kv_lora_rank} and a RoPE key of qk_rope_head_dim="
-            f"{config.qk_rope_head_dim} per token, not keys and values of one head_dim"
-        )
 
     def __init__(self, config: ZooMLAConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -366,17 +337,6 @@ class ZooMLAModel(ZooModel):
     attention_class = ZooMultiHeadLatentAttention
 
 
-class ZooMLAForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooMLAModel
-
-
-class ZooMLAForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooMLAModel
-
-
-class ZooMLAForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooMLAModel
-
-
-class ZooMLAForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooMLAModel
+ZooMLAForCausalLM, ZooMLAForSequenceClassification, ZooMLAForTokenClassification, ZooMLAForQuestionAnswering = (
+    variant_heads(ZooMLAModel)
+)

@@ -2,10 +2,10 @@
 
 A variant contributes its attention module, a `ZooAttention` subclass; everything else is here, in the order of a
 forward pass: norms, the MLP, the attention protocol, the pre-norm decoder layer, the shared model class
-(initialisation, loading, saving), `ZooModel` (embeddings, positions, masks, layers, final norm), and the heads built
-on it (causal LM, sequence and token classification, question answering). Module layout and parameter names are
-Llama's (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, `lm_head`), so
-a Llama state dict loads unchanged into the MHA family.
+(initialisation, loading, saving) and `ZooModel` (embeddings, positions, masks, layers, final norm); the heads on it
+(causal LM, sequence and token classification, question answering) are in `heads_zoo.py`. Module layout and parameter
+names are Llama's (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`,
+`lm_head`), so a Llama state dict loads unchanged into the MHA family.
 
 The backbone talks to a variant only through the protocol declared on `ZooAttention`: its backends, how it decodes
 (a key/value cache or a state layer), its mask kind, its rotary width, whether it reads positions, which config
@@ -20,7 +20,6 @@ them (remote code), so it imports only torch, transformers and those siblings.
 """
 
 import functools
-import inspect
 import math
 from typing import ClassVar
 
@@ -30,51 +29,38 @@ from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
-    GenericForQuestionAnswering,
-    GenericForSequenceClassification,
-    GenericForTokenClassification,
     GradientCheckpointingLayer,
 )
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils import TransformersKwargs, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
 from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
+from .clients_zoo import attribute_refusal, cache_refusal
 from .compat_zoo import (
     CACHE_KWARG,
-    PASSES_CACHE_POSITION,
-    build_mask,
-    returned_cache,
-    slice_logits_to_keep,
+    add_cache_position,
     takes_past_key_values,
 )
 from .configuration_zoo import ZooConfig
-from .loss_zoo import causal_lm_loss_fused
 from .masks_zoo import attention_mask_for
 from .positions_zoo import ZooRotaryEmbedding, default_position_ids, sinusoidal_embedding
 
 __all__ = [
     "ZooAttention",
     "ZooDecoderLayer",
-    "ZooForCausalLM",
-    "ZooForQuestionAnswering",
-    "ZooForSequenceClassification",
-    "ZooForTokenClassification",
-    "ZooHead",
     "ZooMLP",
     "ZooModel",
     "ZooModule",
     "ZooPreTrainedModel",
     "ZooRMSNorm",
-    "weighted_values",
 ]
 
 logger = logging.get_logger(__name__)
@@ -178,6 +164,15 @@ class ZooAttention(ZooModule):
     reads_positions: ClassVar[bool] = False
     # The outputs it returns with `output_attentions`: softmax weights whose rows sum to one, unless declared
     attention_weights_sum_to_one: ClassVar[bool] = True
+    # Facts about the math that clients of the cache and the kernel depend on (`clients_zoo` derives their refusals):
+    # what a layer caches per token when it is not per-head keys and values (a phrase), else None
+    caches: ClassVar[str | None] = None
+    # query/key maps per head (softmax maps combined per head; differential attention's two)
+    maps_per_head: ClassVar[int] = 1
+    # the score of a query and a key when it is not their scaled dot product (a formula), else None
+    scores: ClassVar[str | None] = None
+    # which of a query's visible scores reach the softmax when not all of them (a phrase), else None
+    keeps_scores: ClassVar[str | None] = None
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -240,30 +235,6 @@ class ZooAttention(ZooModule):
         )
 
     @classmethod
-    def continuous_batching_refusal(cls, config: ZooConfig) -> str | None:
-        """Why transformers' continuous batching cannot run this variant exactly (a short clause), or None when it can.
-
-        Continuous batching packs the requests into one row and keeps keys and values in a paged cache, which only
-        transformers' attention functions (`ALL_ATTENTION_FUNCTIONS`: paged|eager, sdpa, flash) write and read, from
-        the packed-batch keywords they receive. A kernel of its own never sees that cache: refused by default."""
-        if cls.decodes_from_state():
-            return "it decodes from a running state per layer, which transformers' paged key/value cache cannot hold"
-        return "its kernel is its own, not one of transformers' paged-attention functions"
-
-    @classmethod
-    def kv_compression_refusal(cls, config: ZooConfig) -> str | None:
-        """Why a key/value cache compressor that assumes Llama's attention (kvpress's presses) cannot be faithful to
-        this variant (one line), or None when it can. (A state layer's keys and values also refuse to be read,
-        `ZooStateLayer`, for clients that reach the cache without entering a press.)"""
-        if cls.decodes_from_state():
-            return "it decodes from a running state per layer, with no per-token keys and values to evict"
-        if config.position_embedding_type != "rope":
-            # the presses rotate the queries they rebuild with the model's rotary embedding, which this config lacks
-            position = config.position_embedding_type
-            return f"presses rebuild RoPE queries, and this model has position_embedding_type={position!r}"
-        return None
-
-    @classmethod
     def lora_modules(cls, config: ZooConfig) -> tuple[str, ...]:
         """The attention's LoRA targets in a model of `config`: `lora_targets`, unless the config changes which
         projections exist."""
@@ -276,48 +247,17 @@ class ZooAttention(ZooModule):
             return None
         return config.num_key_value_heads, cls.query_key_width(config), cls.value_width(config)
 
-    @classmethod
-    def config_shaped_cache_refusal(cls, config: ZooConfig) -> str | None:
-        """Why a cache built outside the model from the config's head shapes (keys and values of num_key_value_heads
-        x head_dim each: a static cache allocated before the first forward, as ExecuTorch's export recipe does, or
-        PEFT's prefix tuning, whose virtual tokens are such keys and values) cannot hold this variant's, or None."""
-        widths = cls.cached_widths(config)
-        if widths is None:
-            return "it decodes from a running state per layer, with no per-token keys and values"
-        if widths == (config.num_key_value_heads, config.head_dim, config.head_dim):
-            return None
-        heads, key, value = widths
-        return f"it caches {heads} key/value head(s) per token with keys {key} and values {value} wide"
-
     def __setattr__(self, name: str, value) -> None:
-        # kvpress's presses start by attaching the model's rotary embedding to every attention layer (`rotary_emb`),
-        # to rebuild the layer's queries as Llama's `q_proj` rotated by RoPE: a variant whose attention is not that
-        # refuses there, before any token runs, rather than failing in a press's scorer or keeping the wrong tokens
-        if name == "rotary_emb" and (reason := self.kv_compression_refusal(self.config)) is not None:
-            raise AttributeError(
-                f"{type(self).__name__} takes no `rotary_emb`: key/value cache compression that rebuilds Llama's "
-                f"attention from the layer (kvpress's presses) cannot apply to this variant: {reason}."
-            )
+        # clients that attach attributes to attention layers (kvpress's rotary embedding) are answered by
+        # `clients_zoo`, from the facts above, before any token runs
+        if (refusal := attribute_refusal(self, name)) is not None:
+            raise AttributeError(refusal)
         super().__setattr__(name, value)
 
     @classmethod
     def share_across_layers(cls, model: "ZooModel") -> None:
         """Parameters all layers share (Linformer's layerwise projection): built on `model` before initialisation
         and handed to its layers; none by default."""
-
-
-def weighted_values(
-    outputs: list[torch.Tensor], weights: list[torch.Tensor], value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The result of a chunked kernel: `(B, T, H, d)` and the attention weights `(B, H, T, S)` or None.
-
-    Without weights the chunks' outputs `(B, H, C, d)` are joined. With weights (`output_attentions`) the chunks
-    gave their weight rows instead, and the output is computed from the joined matrix, so the weights returned are
-    the ones the output depends on (their gradients exist, as for transformers' eager attention)."""
-    if weights:
-        weights = torch.cat(weights, dim=2)  # (B, H, T, S)
-        return torch.matmul(weights, value).transpose(1, 2), weights
-    return torch.cat(outputs, dim=2).transpose(1, 2), None  # (B, H, T, d) -> (B, T, H, d)
 
 
 class ZooDecoderLayer(GradientCheckpointingLayer):
@@ -540,9 +480,7 @@ class ZooModel(ZooPreTrainedModel):
             cache = self.make_cache()
         if cache is not None:
             self._check_cache(cache)
-        if PASSES_CACHE_POSITION and kwargs.get("cache_position") is None:  # transformers < 5.3: as Llama there
-            past = cache.get_seq_length() if cache is not None else 0
-            kwargs["cache_position"] = torch.arange(past, past + inputs_embeds.shape[1], device=inputs_embeds.device)
+        add_cache_position(kwargs, cache, inputs_embeds)
         if position_ids is None:
             # the cache's length is read only here, as in Llama: continuous batching gives positions with a paged
             # cache that has no single length
@@ -597,55 +535,10 @@ class ZooModel(ZooPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
 
     def _check_cache(self, cache: Cache) -> None:
-        """Refuse, before any layer runs, a cache built outside the model that cannot hold this variant: key/value
-        layers for a variant that decodes from a state, or keys and values of other widths (a static cache
-        allocated from the config's head shapes, PEFT's prefix tuning). Exporters tracing with such a cache and PEFT
-        users then read why, rather than a shape error from inside a layer."""
-        layers = getattr(cache, "layers", None)
-        if not layers:
-            return
-        attention, model_type = self.attention_class, self.config.model_type
-        if attention.decodes_from_state():
-            if all(isinstance(layer, attention.cache_layer) for layer in layers):
-                return
-            # what a cache holds is data to a tracer (a static cache counts its filled slots): exporters get the
-            # message below, PEFT (eager) this one
-            held = 0 if torch.compiler.is_compiling() else int(cache.get_seq_length())
-            if held:
-                raise TypeError(
-                    f"{model_type} decodes from a running state per layer, but was handed a {type(cache).__name__} "
-                    f"already holding {held} tokens of keys and values: that is how PEFT's prefix tuning passes its "
-                    f"virtual tokens, and a running state has no per-token keys and values to put them before, so "
-                    f"prefix tuning cannot apply to this variant; use prompt tuning (PEFT's PromptTuningConfig: "
-                    f"virtual token embeddings) or LoRA instead."
-                )
-            raise TypeError(
-                f"{model_type} decodes from a running state per layer, which a {type(cache).__name__} of keys and "
-                f"values cannot hold, so it cannot decode from (or be exported with) a static key/value cache. Pass "
-                f"cache=model.model.make_cache() or let generate() create it; to export, export the forward without "
-                f"a cache (use_cache=False)."
-            )
-        layer = layers[0]
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not getattr(layer, "is_initialized", False) or keys is None or values is None or keys.dim() != 4:
-            return
-        heads, key_width, value_width = attention.cached_widths(self.config)
-        if (keys.shape[1], keys.shape[-1], values.shape[1], values.shape[-1]) == (
-            heads,
-            key_width,
-            heads,
-            value_width,
-        ):
-            return
-        raise TypeError(
-            f"{model_type} cannot use the cache handed in: its layer 0 holds keys of {keys.shape[1]} head(s) x "
-            f"{keys.shape[-1]} and values of {values.shape[1]} x {values.shape[-1]}, but "
-            f"{attention.config_shaped_cache_refusal(self.config)}. A cache sized from the config's head shapes "
-            f"(num_key_value_heads x head_dim) cannot hold it: PEFT's prefix tuning, whose virtual tokens are such "
-            f"keys and values, cannot apply to this variant (use prompt tuning or LoRA instead), and a static cache "
-            f"must size itself from its first write (generate(cache_implementation='static') does) or be left out "
-            f"(export the forward with use_cache=False)."
-        )
+        """Refuse, before any layer runs, a cache built outside the model that cannot hold this variant's (the
+        reasons are in `clients_zoo.cache_refusal`)."""
+        if (refusal := cache_refusal(self.attention_class, self.config, cache)) is not None:
+            raise TypeError(refusal)
 
     def _check_learned_positions(self, position_ids: torch.LongTensor) -> None:
         if torch.compiler.is_compiling():
@@ -656,222 +549,3 @@ class ZooModel(ZooPreTrainedModel):
                 f"position {longest} is beyond max_position_embeddings={self.config.max_position_embeddings} of the "
                 f"learned position table; shorten the input or build the model with a larger max_position_embeddings."
             )
-
-
-class ZooHead(ZooPreTrainedModel):
-    """A variant's base model (`self.model`) under a head. A variant's head class names its `base_model_class`; that
-    makes it the variant's head for `auto_class` (listed in `base_model_class.heads`, so in a checkpoint's
-    `auto_map`) and gives it the base model's config class and backend flags."""
-
-    auto_class: ClassVar[str]
-    base_model_class: type[ZooModel]
-    # what transformers reads off the top-level class: the base model's answers
-    FLAGS_OF_THE_BASE = (
-        "_supports_sdpa",
-        "_supports_flash_attn",
-        "_supports_flex_attn",
-        "_supports_attention_backend",
-        "_can_compile_fullgraph",
-    )
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        base = cls.__dict__.get("base_model_class")
-        if base is not None:
-            cls.config_class = base.config_class
-            for flag in cls.FLAGS_OF_THE_BASE:
-                setattr(cls, flag, getattr(base, flag))
-            # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt lookup
-            cls._is_stateful = base.attention_class.decodes_from_state()
-        super().__init_subclass__(**kwargs)
-        if base is not None:
-            base.heads[cls.auto_class] = cls
-
-    def _build_base_model(self, config: ZooConfig) -> None:
-        """`self.model`, built directly: transformers' generic heads go through `AutoModel.from_config`, which does
-        not know the variant when the checkpoint is loaded as remote code."""
-        ZooPreTrainedModel.__init__(self, config)
-        self.model = self.base_model_class(config)
-        self.model.inside_head = True
-
-
-class ZooForSequenceClassification(GenericForSequenceClassification, ZooHead):
-    """transformers' sequence classifier over the variant: the head reads the last non-padding token (the one that
-    has seen the whole sequence in a causal model); `config.num_labels` classes, `config.problem_type` losses."""
-
-    auto_class = "AutoModelForSequenceClassification"
-    sized_by: ClassVar[dict[str, str]] = {"score": "num_labels, hidden_size"}
-
-    def __init__(self, config: ZooConfig) -> None:
-        self._build_base_model(config)
-        self.num_labels = config.num_labels
-        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
-        self.post_init()
-
-
-class ZooForTokenClassification(GenericForTokenClassification, ZooHead):
-    """transformers' token classifier over the variant (dropout `hidden_dropout`, then a linear layer per token)."""
-
-    auto_class = "AutoModelForTokenClassification"
-    sized_by: ClassVar[dict[str, str]] = {"score": "num_labels, hidden_size"}
-
-    def __init__(self, config: ZooConfig) -> None:
-        self._build_base_model(config)
-        self.num_labels = config.num_labels
-        self.dropout = nn.Dropout(config.hidden_dropout)
-        self.score = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-
-class ZooForQuestionAnswering(GenericForQuestionAnswering, ZooHead):
-    """transformers' extractive question answering head over the variant: start and end logits per token."""
-
-    auto_class = "AutoModelForQuestionAnswering"
-    sized_by: ClassVar[dict[str, str]] = {"qa_outputs": "hidden_size"}
-
-    def __init__(self, config: ZooConfig) -> None:
-        self._build_base_model(config)
-        self.qa_outputs = nn.Linear(config.hidden_size, 2)
-        self.post_init()
-
-
-class ZooForCausalLM(ZooHead, GenerationMixin):
-    """A `ZooModel` with a language-modelling head; each variant subclasses it and sets `base_model_class`."""
-
-    auto_class = "AutoModelForCausalLM"
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    sized_by: ClassVar[dict[str, str]] = {"lm_head": "vocab_size, hidden_size"}
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        base = cls.__dict__.get("base_model_class")
-        if base is not None:
-            base.causal_lm_class = cls
-
-    def __init__(self, config: ZooConfig) -> None:
-        self._build_base_model(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """`generate` builds a cache of key/value layers; a variant that decodes from a state puts its own in place,
-        and refuses cache implementations (static, quantized, offloaded) that presuppose keys and values."""
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if not self.model.attention_class.decodes_from_state():
-            return
-        cache = model_kwargs.get(CACHE_KWARG)
-        if cache is None or getattr(cache, "_is_user_defined", False):
-            return
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"{self.config.model_type} decodes from a state per layer, not from keys and values: "
-                f"cache_implementation={generation_config.cache_implementation!r} does not apply; leave it unset."
-            )
-        model_kwargs[CACHE_KWARG] = self.model.make_cache()
-
-    @takes_past_key_values
-    def create_masks_for_generate(
-        self,
-        config: ZooConfig,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache: Cache | None,
-        position_ids: torch.LongTensor | None = None,
-        **kwargs,
-    ) -> torch.Tensor | None:
-        """With a static cache `generate` builds the 4D mask outside the model, so that a compiled decode step sees
-        fixed shapes. That suits the dense kind (the forward adds ALiBi's bias to it, in `dense_mask`); kernels that
-        walk over blocks build their mask from the 2D padding mask, so for them it stays 2D."""
-        attention = self.model.attention_class
-        if attention.mask_kind(config, inputs_embeds.shape[1], False) != "dense":
-            return attention_mask
-        return build_mask(  # transformers' builder; before 5.3 it also takes generate's `cache_position`
-            attention.dense_mask_function,
-            config=config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-            cache_position=kwargs.get("cache_position"),
-        )
-
-    def _fuse_loss(self, logits_to_keep: int | torch.Tensor) -> bool:
-        """Whether training can skip the logits: only a plain `nn.Linear` head (not one wrapped by PEFT or a
-        quantizer) over every position, with gradients on."""
-        return (
-            self.config.fuse_linear_cross_entropy
-            and self.training
-            and torch.is_grad_enabled()
-            and type(self.lm_head) is nn.Linear
-            and isinstance(logits_to_keep, int)
-            and logits_to_keep == 0
-        )
-
-    @takes_past_key_values
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,  # consumed by @can_return_tuple: False returns a tuple
-        logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
-        r"""
-        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
-            Targets for the next-token loss; they are shifted inside, and -100 is ignored. With
-            `config.fuse_linear_cross_entropy` (off by default) the head and the loss run fused in training mode
-            (with gradients) and `logits` is None.
-        logits_to_keep (`int` or `torch.Tensor`, *optional*):
-            Compute logits for the last `logits_to_keep` positions only (0 keeps all), or for the given indices.
-        """
-        for name, flag in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
-            if flag is not None:
-                kwargs[name] = flag
-        outputs: BaseModelOutputWithPast = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
-        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = loss = None
-        if labels is not None and self._fuse_loss(logits_to_keep):
-            logger.warning_once(
-                "config.fuse_linear_cross_entropy=True: in training with labels the head and the loss run fused and "
-                "the output's `logits` is None; set model.config.fuse_linear_cross_entropy = False for logits."
-            )
-            loss = causal_lm_loss_fused(
-                hidden_states,
-                self.lm_head,
-                labels,
-                num_items_in_batch=kwargs.get("num_items_in_batch"),
-                shift_labels=kwargs.get("shift_labels"),
-            )
-        else:
-            logits = self.lm_head(hidden_states)  # (B, T_kept, vocab)
-            if labels is not None:
-                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **{CACHE_KWARG: returned_cache(outputs)},
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
-
-
-# Classes registered with `register_for_auto_class` count as remote code, for which `generate` runs
-# `inspect.signature(self.forward)` at every decoding step (looking for a legacy `cache_position` argument). A
-# precomputed signature turns that lookup into an attribute read: 3-4% of batch-1 decoding time on CPU.
-ZooForCausalLM.forward.__signature__ = inspect.signature(ZooForCausalLM.forward)

@@ -15,19 +15,13 @@ instead of O(T²). With w >= T both are plain causal attention, the `gqa` varian
 
 import torch
 from torch.nn import functional as F
-from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_sliding_window_causal_mask
 
 from .configuration_zoo import HEADS, ZooConfig, sized
+from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
-    ZooModel,
-)
+from .modeling_zoo import ZooModel
 
 
 class ZooSlidingWindowConfig(ZooConfig):
@@ -120,17 +114,9 @@ class ZooSlidingWindowModel(ZooModel):
     attention_class = ZooSlidingWindowAttention
 
 
-class ZooSlidingWindowForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooSlidingWindowModel
-
-
-class ZooSlidingWindowForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooSlidingWindowModel
-
-
-class ZooSlidingWindowForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooSlidingWindowModel
-
-
-class ZooSlidingWindowForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooSlidingWindowModel
+(
+    ZooSlidingWindowForCausalLM,
+    ZooSlidingWindowForSequenceClassification,
+    ZooSlidingWindowForTokenClassification,
+    ZooSlidingWindowForQuestionAnswering,
+) = variant_heads(ZooSlidingWindowModel)

@@ -13,20 +13,14 @@ scores only. Ties at the k-th score are broken by `torch.topk`.
 
 import torch
 from torch.nn import functional as F
-from transformers.generation import GenerationMixin
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from .chunked_zoo import chunked_softmax_attention
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_positive_int, sized
+from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import (
-    ZooForCausalLM,
-    ZooForQuestionAnswering,
-    ZooForSequenceClassification,
-    ZooForTokenClassification,
-    ZooModel,
-    weighted_values,
-)
+from .modeling_zoo import ZooModel
 
 
 class ZooTopKConfig(ZooChunkedConfig):
@@ -53,10 +47,7 @@ class ZooTopKAttention(ZooMultiHeadAttention):
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
     mask_type = "blockwise"
-
-    @classmethod
-    def continuous_batching_refusal(cls, config: ZooTopKConfig) -> str:
-        return "it keeps each query's top-k scores, which transformers' paged-attention functions do not select"
+    keeps_scores = "each query's top-k scores"
 
     def attend(self, query, key, value, attention_mask: BlockwiseCausalMask, **kwargs):
         # (B, G, S, d) -> (B, H, S, d): each query head reads its group's key/value head
@@ -68,25 +59,20 @@ class ZooTopKAttention(ZooMultiHeadAttention):
             return self._thresholded(query, key, value, attention_mask, output_attentions)
         if keep >= seen_by_last:  # every visible key is kept: plain softmax attention, in eager's order of operations
             return self._dense(query, key, value, attention_mask, output_attentions)
-        key_length = value.shape[2]
-        outputs, weights = [], []
-        for start in range(0, query.shape[2], chunk):
-            end = min(query.shape[2], start + chunk)
-            visible = attention_mask.past_length + end  # keys after the chunk's last query are never seen: skip them
+
+        def scores_of(start: int, end: int, visible: int) -> torch.Tensor:
             scores = torch.matmul(query[:, :, start:end] * self.scaling, key[:, :, :visible].transpose(2, 3))
             scores += attention_mask.additive(start, end, scores.dtype, k_end=visible)  # (B, H, C, K)
             # the k kept scores marked in place and one dense matmul over the chunk's keys: cheaper than gathering
             # the kept values, and the same sum (a dropped score weighs exp(-inf) = 0)
             index = scores.topk(min(keep, visible), dim=-1).indices  # (B, H, C, k)
             kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)  # (B, H, C, K)
-            scores = scores.masked_fill(~kept, float("-inf"))
-            probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
-            if output_attentions:  # the full (C, S) matrix, only when asked for
-                weights.append(F.pad(probabilities, (0, key_length - visible)))
-            else:
-                outputs.append(torch.matmul(probabilities, value[:, :, :visible]))  # (B, H, C, d)
-        return weighted_values(outputs, weights, value)
+            return scores.masked_fill(~kept, float("-inf"))
+
+        # keys after a chunk's last query are never seen: skipped
+        return chunked_softmax_attention(
+            self, scores_of, value, query.shape[2], chunk, attention_mask.past_length, output_attentions
+        )
 
     def _thresholded(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
         """The export-friendly form, free of branches and loops over the length: every query against every key at
@@ -107,18 +93,13 @@ class ZooTopKAttention(ZooMultiHeadAttention):
         return output, F.pad(probabilities, (0, key_length - visible)) if output_attentions else None
 
     def _dense(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
-        outputs, weights = [], []
-        for start in range(0, query.shape[2], self.config.query_chunk_size):
-            end = min(query.shape[2], start + self.config.query_chunk_size)
+        def scores_of(start: int, end: int, visible: int) -> torch.Tensor:
             scores = torch.matmul(query[:, :, start:end], key.transpose(2, 3)) * self.scaling  # (B, H, C, S)
-            scores = scores + attention_mask.additive(start, end, scores.dtype)
-            probabilities = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            probabilities = F.dropout(probabilities, self.attention_dropout, training=self.training)
-            if output_attentions:
-                weights.append(probabilities)
-            else:
-                outputs.append(torch.matmul(probabilities, value))  # (B, H, C, d)
-        return weighted_values(outputs, weights, value)
+            return scores + attention_mask.additive(start, end, scores.dtype)
+
+        # every chunk against every key (past_length None), as eager's one (T, S) matrix
+        chunk = self.config.query_chunk_size
+        return chunked_softmax_attention(self, scores_of, value, query.shape[2], chunk, None, output_attentions)
 
 
 class ZooTopKModel(ZooModel):
@@ -126,17 +107,6 @@ class ZooTopKModel(ZooModel):
     attention_class = ZooTopKAttention
 
 
-class ZooTopKForCausalLM(ZooForCausalLM, GenerationMixin):
-    base_model_class = ZooTopKModel
-
-
-class ZooTopKForSequenceClassification(ZooForSequenceClassification):
-    base_model_class = ZooTopKModel
-
-
-class ZooTopKForTokenClassification(ZooForTokenClassification):
-    base_model_class = ZooTopKModel
-
-
-class ZooTopKForQuestionAnswering(ZooForQuestionAnswering):
-    base_model_class = ZooTopKModel
+ZooTopKForCausalLM, ZooTopKForSequenceClassification, ZooTopKForTokenClassification, ZooTopKForQuestionAnswering = (
+    variant_heads(ZooTopKModel)
+)
