@@ -32,7 +32,7 @@ from hf_attn_zoo.convert import METHODS, from_llama, mha_to_gqa
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
-from hf_attn_zoo.training import load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
 
 CALIBRATION_TOKENS = 4096
 POOLING = [method for method in METHODS if method != "random"]  # random is a fresh start, not a conversion

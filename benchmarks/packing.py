@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_attn_zoo.data import load_text_splits
 from hf_attn_zoo.demo import DemoOptions, demo_recipe
 from hf_attn_zoo.evaluation.perplexity import score_texts
-from hf_attn_zoo.training import run_training
+from hf_attn_zoo.train import run_training
 
 MODES = ("eos", "documents")
 

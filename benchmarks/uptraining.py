@@ -48,7 +48,8 @@ from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
-from hf_attn_zoo.training import complete_checkpoints, load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.trainer import complete_checkpoints
 
 CONFIGS = REPOSITORY / "configs"
 # where the README's fetch command puts the State of the Union addresses

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_attn_zoo import training
 from hf_attn_zoo.errors import MissingPathError, UserError
-from hf_attn_zoo.training import load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.recipe import check_launch
 
 from conftest import free_port
 
@@ -108,7 +108,7 @@ def test_a_process_count_that_did_not_materialise_is_refused(monkeypatch):
     with pytest.raises(UserError, match=r"one process.*torchrun --nproc_per_node.*configs/accelerate/multi_gpu\.yaml"):
         load_recipe(TINY)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun / accelerate with a config: the processes exist
-    training.check_launch()
+    check_launch()
 
 
 def run_script(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

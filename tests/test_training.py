@@ -12,7 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from hf_attn_zoo.models import VARIANTS
-from hf_attn_zoo.training import COMPLETE_MARKER, build_model, held_training_state, load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.build import build_model
+from hf_attn_zoo.train.callbacks import COMPLETE_MARKER, held_training_state
 
 from conftest import free_port, tiny_model
 

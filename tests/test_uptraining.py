@@ -19,7 +19,7 @@ from transformers import (
 from hf_attn_zoo.cli import main
 from hf_attn_zoo.convert import from_llama, mha_to_gqa
 from hf_attn_zoo.data import byte_level_tokenizer
-from hf_attn_zoo.training import load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
 
 from conftest import ATOL, left_padded_batch, tiny_model
 
