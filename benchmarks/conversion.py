@@ -57,9 +57,9 @@ def score_conversion(setup: DemoConversionSetup, groups: int, method: str, alpha
     output_dir = Path(setup.runs_dir) / (f"g{groups}-{method}" + (f"-alpha{alpha:g}" if alpha else ""))
     summary_path = output_dir / "training_summary.json"
     if not summary_path.is_file():
-        overrides = ["--model.init_from", setup.parent, "--model.convert_num_key_value_heads", str(groups)]
-        overrides += ["--model.convert_method", method, "--model.convert_calibration_tokens", str(CALIBRATION_TOKENS)]
-        overrides += ["--model.uptrain_fraction", f"{alpha:g}", "--training.output_dir", str(output_dir)]
+        overrides = ["--model.init_from", setup.parent, "--convert.num_key_value_heads", str(groups)]
+        overrides += ["--convert.method", method, "--convert.calibration_tokens", str(CALIBRATION_TOKENS)]
+        overrides += ["--convert.uptrain_fraction", f"{alpha:g}", "--training.output_dir", str(output_dir)]
         overrides += ["--training.report_to", "none"]
         run_training(*load_recipe(REPOSITORY / "configs" / "uptrain" / "demo_gqa.yaml", overrides))
     return json.loads(summary_path.read_text())["validation_perplexity"]

@@ -3,11 +3,12 @@ overrides, checks), `build` (the model, conversion, uptraining arithmetic, param
 `trainer` (`ZooTrainer` and resuming) and `run` (`run_training`, the summary, the final save, `main`)."""
 
 from .callbacks import CheckpointCallback, ThroughputCallback
-from .recipe import ModelArguments, ZooTrainingArguments, load_recipe
+from .recipe import ConversionArguments, ModelArguments, ZooTrainingArguments, load_recipe
 from .run import main, run_training
 
 __all__ = [
     "CheckpointCallback",
+    "ConversionArguments",
     "ModelArguments",
     "ThroughputCallback",
     "ZooTrainingArguments",

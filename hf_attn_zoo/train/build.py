@@ -22,7 +22,7 @@ def parent_train_tokens(init_from: str) -> int:
     summary_path = Path(init_from) / "training_summary.json"
     if not summary_path.is_file():
         raise MissingPathError(
-            f"model.uptrain_fraction needs {summary_path} (written by hf-attn-zoo train) to know the parent's "
+            f"convert.uptrain_fraction needs {summary_path} (written by hf-attn-zoo train) to know the parent's "
             f"pretraining tokens; set training.max_steps instead."
         )
     return json.loads(summary_path.read_text())["train_tokens"]
@@ -30,21 +30,22 @@ def parent_train_tokens(init_from: str) -> int:
 
 def build_model(model_args: ModelArguments, tokenizer, block_size: int, train_blocks=None):
     """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer.
-    A calibrated `convert_method` fits on the first `convert_calibration_tokens` of the run's `train_blocks`."""
+    A calibrated `convert.method` fits on the first `convert.calibration_tokens` of the run's `train_blocks`."""
     if model_args.init_from is not None:
         kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(resolve_source(model_args.init_from), **kwargs)
         if not isinstance(model, ZooForCausalLM):
             model = from_llama(model)
-        if model_args.convert_num_key_value_heads is not None:
+        conversion = model_args.conversion
+        if conversion.num_key_value_heads is not None:
             model = mha_to_gqa(
                 model,
-                model_args.convert_num_key_value_heads,
-                model_args.convert_method,
-                calibration=first_blocks(train_blocks, model_args.convert_calibration_tokens, block_size)
-                if model_args.convert_method in CALIBRATION_METHODS
+                conversion.num_key_value_heads,
+                conversion.method,
+                calibration=first_blocks(train_blocks, conversion.calibration_tokens, block_size)
+                if conversion.method in CALIBRATION_METHODS
                 else None,
-                max_calibration_tokens=model_args.convert_calibration_tokens,
+                max_calibration_tokens=conversion.calibration_tokens,
             )
         if len(tokenizer) > model.config.vocab_size:
             raise UserError(
@@ -96,9 +97,9 @@ def uptraining_steps(fraction: float, parent_tokens: int, tokens_per_step: int) 
         half_step = tokens_per_step / (2 * parent_tokens)  # round() takes exactly half a step to 0 (to even)
         smallest = _round_up(half_step * (1 + 1e-9))
         raise UserError(
-            f"model.uptrain_fraction={fraction} of the parent's {parent_tokens} tokens is less than half a step of "
+            f"convert.uptrain_fraction={fraction} of the parent's {parent_tokens} tokens is less than half a step of "
             f"{tokens_per_step} tokens, so it would train 0 steps; the smallest fraction that gives one step is just "
-            f"over {half_step:.3g}: set model.uptrain_fraction to {smallest:g} or more (or 0 to score the converted "
+            f"over {half_step:.3g}: set convert.uptrain_fraction to {smallest:g} or more (or 0 to score the converted "
             f"model without training)."
         )
     return steps

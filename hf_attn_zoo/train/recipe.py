@@ -1,7 +1,8 @@
 """Recipes: the argument dataclasses of each section, YAML reading, `--section.field value` overrides and the checks
 made before any work.
 
-A recipe has sections, each parsed by `HfArgumentParser` into a dataclass: `model` (`ModelArguments` below), `data`
+A recipe has sections, each parsed by `HfArgumentParser` into a dataclass: `model` (`ModelArguments` below),
+`convert` (`ConversionArguments`: converting `model.init_from` and uptraining it; optional), `data`
 (`hf_attn_zoo.data.DataArguments`) and `training` (`ZooTrainingArguments`, transformers' `TrainingArguments`).
 Command-line overrides name the section: `--training.learning_rate 1e-3`, `--model.size small`. A key that does not
 exist is an error naming it, as is a bad value, before anything is built.
@@ -29,8 +30,58 @@ TRAINING_DEFAULTS = {"report_to": ["tensorboard"], "ddp_find_unused_parameters":
 
 
 @dataclass
+class ConversionArguments:
+    """The `convert` section: turn `model.init_from` into another variant before training (MHA -> GQA/MQA
+    uptraining, Ainslie et al. 2023) and train it for a fraction of the parent's pretraining tokens."""
+
+    num_key_value_heads: int | None = field(
+        default=None,
+        metadata={"help": "pool model.init_from's key/value heads into this many first (MHA -> GQA/MQA uptraining)"},
+    )
+    method: str = field(
+        default="mean",
+        metadata={
+            "help": "how heads are pooled: mean, first, random, or aligned / grouped / grouped_aligned, fitted on "
+            "the first convert.calibration_tokens training tokens (hf_attn_zoo.convert)"
+        },
+    )
+    calibration_tokens: int = field(default=4096, metadata={"help": "training tokens the calibrated methods read"})
+    uptrain_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "train for this fraction of model.init_from's pretraining tokens (from its "
+            "training_summary.json); sets training.max_steps; 0 evaluates the converted model without training"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise UserError(f"convert.method={self.method!r}: use one of {POOLING_METHODS}.")
+        if self.uptrain_fraction is not None and self.uptrain_fraction < 0:
+            raise UserError(f"convert.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
+
+    def check_parent(self, init_from: str | None) -> None:
+        """Converting and uptraining act on a parent checkpoint: refused without `model.init_from`."""
+        if init_from is None:
+            for name in ("num_key_value_heads", "uptrain_fraction"):
+                if getattr(self, name) is not None:
+                    raise UserError(f"convert.{name} converts a checkpoint: set model.init_from to the parent.")
+
+
+# Where the conversion fields of the model section went: a recipe written before the convert section existed gets
+# this instead of "not a field"
+MOVED_FIELDS = {
+    ("model", "convert_num_key_value_heads"): "convert.num_key_value_heads",
+    ("model", "convert_method"): "convert.method",
+    ("model", "convert_calibration_tokens"): "convert.calibration_tokens",
+    ("model", "uptrain_fraction"): "convert.uptrain_fraction",
+}
+
+
+@dataclass
 class ModelArguments:
-    """Which model to train: a variant and a preset size, with config fields on top, or existing weights."""
+    """Which model to train: a variant and a preset size, with config fields on top, or existing weights.
+    `conversion` is the recipe's `convert` section (`load_recipe` sets it; not a field of this section)."""
 
     variant: str = field(default="gqa", metadata={"help": "registered variant (see `hf-attn-zoo list`)"})
     size: str | None = field(
@@ -48,40 +99,11 @@ class ModelArguments:
             "SmolLM2-135M GGUF file of that PyPI package"
         },
     )
-    convert_num_key_value_heads: int | None = field(
-        default=None,
-        metadata={"help": "pool init_from's key/value heads into this many first (MHA -> GQA/MQA uptraining)"},
-    )
-    convert_method: str = field(
-        default="mean",
-        metadata={
-            "help": "how heads are pooled: mean, first, random, or aligned / grouped / grouped_aligned, fitted on "
-            "the first convert_calibration_tokens training tokens (hf_attn_zoo.convert)"
-        },
-    )
-    convert_calibration_tokens: int = field(
-        default=4096, metadata={"help": "training tokens the calibrated convert_methods read"}
-    )
-    uptrain_fraction: float | None = field(
-        default=None,
-        metadata={
-            "help": "train for this fraction of init_from's pretraining tokens (from its training_summary.json); "
-            "sets training.max_steps; 0 evaluates the converted model without training"
-        },
-    )
     attn_implementation: str | None = field(
         default=None, metadata={"help": "eager, sdpa, ... (default: the best the variant supports)"}
     )
-
-    def __post_init__(self) -> None:
-        if self.init_from is None:
-            for name in ("convert_num_key_value_heads", "uptrain_fraction"):
-                if getattr(self, name) is not None:
-                    raise UserError(f"model.{name} converts a checkpoint: set model.init_from to the parent.")
-        if self.convert_method not in POOLING_METHODS:
-            raise UserError(f"model.convert_method={self.convert_method!r}: use one of {POOLING_METHODS}.")
-        if self.uptrain_fraction is not None and self.uptrain_fraction < 0:
-            raise UserError(f"model.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
+    # init=False: parsed from its own section, so HfArgumentParser offers no --model.conversion
+    conversion: ConversionArguments = field(default_factory=ConversionArguments, init=False)
 
     def config_fields(self) -> dict:
         if not self.config:
@@ -125,7 +147,12 @@ class ZooTrainingArguments(TrainingArguments):
         super().__post_init__()
 
 
-SECTIONS = {"model": ModelArguments, "data": DataArguments, "training": ZooTrainingArguments}
+SECTIONS = {
+    "model": ModelArguments,
+    "convert": ConversionArguments,
+    "data": DataArguments,
+    "training": ZooTrainingArguments,
+}
 
 
 def refuse_gpu_recipe_without_gpu(requires_gpu: bool, cpu_recipe: str | None, source: str) -> None:
@@ -215,8 +242,8 @@ def _split_overrides(overrides: list[str], source: str) -> dict[str, list[str]]:
             section, _, name = key.partition(".")
             if section not in SECTIONS or not name:
                 raise UserError(
-                    f"override {token!r} ({source}) must name a section: --model.<field>, --data.<field> or "
-                    f"--training.<field>."
+                    f"override {token!r} ({source}) must name a section: --model.<field>, --convert.<field>, "
+                    f"--data.<field> or --training.<field>."
                 )
             per_section[section].append(f"--{name}")
             if inline:
@@ -231,6 +258,13 @@ def _split_overrides(overrides: list[str], source: str) -> dict[str, list[str]]:
 def _check_keys(section: str, keys, dataclass_type: type, source: str) -> None:
     known = {f.name for f in fields(dataclass_type) if f.init}
     for key in keys:
+        if (section, key) in MOVED_FIELDS:
+            moved = MOVED_FIELDS[section, key]
+            new_section, _, new_key = moved.partition(".")
+            raise UserError(
+                f"{source}: {section}.{key} is now {moved}, in a section of its own: write `{new_section}: "
+                f"{{{new_key}: ...}}` in the recipe, or --{moved} on the command line."
+            )
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -254,19 +288,21 @@ def read_recipe(path: str | os.PathLike) -> dict:
         ) from None
     if not isinstance(raw, dict) or set(raw) - set(SECTIONS):
         unknown = sorted(set(raw) - set(SECTIONS)) if isinstance(raw, dict) else raw
-        raise UserError(f"{path}: unknown sections {unknown}; a recipe has model, data and training sections.")
+        raise UserError(
+            f"{path}: unknown sections {unknown}; a recipe has model, convert, data and training sections."
+        )
     return raw
 
 
 def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tuple:
     """(ModelArguments, DataArguments, ZooTrainingArguments) from a YAML recipe and `--section.field value`
-    overrides. Every mistake in them is a `UserError` naming the recipe (or the command line), the section and the
-    field, raised before any work."""
+    overrides, the `convert` section on the model's arguments (`ModelArguments.conversion`). Every mistake in them is
+    a `UserError` naming the recipe (or the command line), the section and the field, raised before any work."""
     check_launch()
     raw = read_recipe(path) if path is not None else {}
     source = str(path) if path is not None else "command line"
     per_section = _split_overrides(list(overrides), "command line")
-    parsed = []
+    parsed = {}
     for section, dataclass_type in SECTIONS.items():
         values = dict(raw.get(section) or {})
         _check_keys(section, values, dataclass_type, source)
@@ -289,5 +325,12 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tu
             raise type(error)(f"{where}: {error}") from None
         except ValueError as error:  # transformers' own validation (TrainingArguments, the model config)
             raise UserError(f"{where}: {section}: {one_line(error)}") from error
-        parsed.append(arguments)
-    return tuple(parsed)
+        parsed[section] = arguments
+    model_args, conversion = parsed["model"], parsed["convert"]
+    try:
+        conversion.check_parent(model_args.init_from)
+    except UserError as error:
+        where = f"{source} and the command line" if overrides and path is not None else source
+        raise UserError(f"{where}: {error}") from None
+    model_args.conversion = conversion
+    return model_args, parsed["data"], parsed["training"]

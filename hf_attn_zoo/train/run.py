@@ -1,7 +1,8 @@
 """Training any zoo variant with the transformers `Trainer`, from a YAML recipe, on one process or many.
 
-A recipe has three sections, each parsed by `HfArgumentParser` into a dataclass: `model` (`ModelArguments`),
-`data` (`hf_attn_zoo.data.DataArguments`) and `training` (`transformers.TrainingArguments`). Command-line overrides
+A recipe has sections, each parsed by `HfArgumentParser` into a dataclass: `model` (`ModelArguments`), `convert`
+(`ConversionArguments`, optional: pooling `model.init_from`'s key/value heads and uptraining it), `data`
+(`hf_attn_zoo.data.DataArguments`) and `training` (`transformers.TrainingArguments`). Command-line overrides
 name the section: `--training.learning_rate 1e-3`, `--model.size small`. A key that does not exist is an error
 naming it, as are missing files, an empty corpus or a block size beyond the model's positions, all before training.
 
@@ -106,9 +107,11 @@ def run_training(
         * training_args.world_size
         * data_args.block_size
     )
-    if model_args.uptrain_fraction is not None:  # before any data work: the parent must say how long it trained
+    conversion = model_args.conversion
+    conversion.check_parent(model_args.init_from)  # arguments built in Python skip load_recipe's check
+    if conversion.uptrain_fraction is not None:  # before any data work: the parent must say how long it trained
         parent_tokens = parent_train_tokens(model_args.init_from)
-        training_args.max_steps = uptraining_steps(model_args.uptrain_fraction, parent_tokens, tokens_per_step)
+        training_args.max_steps = uptraining_steps(conversion.uptrain_fraction, parent_tokens, tokens_per_step)
     finished = finished_summary(resume, training_args)
     if finished is not None:  # nothing to train: report the run as it ended, writing nothing
         if training_args.process_index == 0:
