@@ -55,6 +55,12 @@ class ZooTopKAttention(ZooMultiHeadAttention):
     mask_type = "blockwise"
 
     @classmethod
+    def mixing_flops_per_token(cls, config: ZooTopKConfig, seq_len: int) -> float:
+        # the kernel scores every visible key and multiplies the masked probabilities with all values: the selection
+        # (a topk and a mask, no multiply-adds) saves none of dot-product attention's FLOPs
+        return 2 * config.num_attention_heads * seq_len * (cls.query_key_width(config) + cls.value_width(config))
+
+    @classmethod
     def continuous_batching_refusal(cls, config: ZooTopKConfig) -> str:
         return "it keeps each query's top-k scores, which transformers' paged-attention functions do not select"
 

@@ -1,5 +1,5 @@
 """The model a run trains: built from a preset or from `init_from` (converted where asked), the uptraining
-arithmetic that turns a fraction of the parent's tokens into steps, and parameter counts."""
+arithmetic that turns a fraction of the parent's tokens into steps, parameter counts and training FLOPs per token."""
 
 import json
 import math
@@ -85,6 +85,16 @@ def first_blocks(blocks, tokens: int, block_size: int) -> list[list[int]] | None
 def non_embedding_parameters(model) -> int:
     embedding = parameter_count(model.get_input_embeddings().weight)
     return sum(parameter_count(p) for p in model.parameters()) - embedding
+
+
+def training_flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of `model` on blocks of `seq_len` tokens, forward and backward (3x the forward):
+    6·N for the weights every token meets (N non-embedding parameters, as the PaLM appendix counts them) plus
+    3·L times the variant's sequence mixing (`ZooAttention.mixing_flops_per_token`). For MHA this is PaLM's
+    6·N + 12·L·H·d_h·T."""
+    config = model.config
+    mixing = get_variant(config.model_type).attention_class.mixing_flops_per_token(config, seq_len)
+    return 6 * non_embedding_parameters(model) + 3 * config.num_hidden_layers * mixing
 
 
 def uptraining_steps(fraction: float, parent_tokens: int, tokens_per_step: int) -> int:

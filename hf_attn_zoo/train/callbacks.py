@@ -129,8 +129,8 @@ def peak_flops() -> float | None:
 
 class ThroughputCallback(TrainerCallback):
     """Adds `tokens_per_second` (all processes) to the logs and, on a known GPU, `mfu`: model FLOPs per token
-    6·N + 12·L·H·d_h·T (N non-embedding parameters, the PaLM appendix's formula) against the device's dense bf16 peak
-    (`PEAK_FLOPS`)."""
+    (`train.build.training_flops_per_token`: 6·N plus 3·L times the variant's mixing FLOPs, PaLM's 6·N + 12·L·H·d_h·T
+    for MHA) against the device's dense bf16 peak (`PEAK_FLOPS`)."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None) -> None:
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak

@@ -34,7 +34,7 @@ from ..data import DataArguments, prepare_data
 from ..errors import UserError
 from ..loading import resolve_source
 from ..models import ZooConfig, get_variant
-from .build import build_model, non_embedding_parameters, parameter_count, parent_train_tokens, uptraining_steps
+from .build import build_model, parameter_count, parent_train_tokens, training_flops_per_token, uptraining_steps
 from .callbacks import CheckpointCallback, MemoryCallback, ThroughputCallback, peak_flops
 from .recipe import SECTIONS, ModelArguments, load_recipe, refuse_gpu_recipe_without_gpu
 from .trainer import ZooTrainer, checkpoint_step, resolve_resume
@@ -135,11 +135,7 @@ def run_training(
     check_validation_fills_a_batch(len(validation_blocks), data_args, training_args)
     model = build_model(model_args, tokenizer, data_args.block_size, train_blocks)
     config: ZooConfig = model.config
-    head_dim = getattr(config, "head_dim", config.hidden_size)
-    flops_per_token = (
-        6 * non_embedding_parameters(model)
-        + 12 * config.num_hidden_layers * (config.num_attention_heads * head_dim) * data_args.block_size
-    )
+    flops_per_token = training_flops_per_token(model, data_args.block_size)
     details = {
         "data": ", ".join(data_args.train_files) or "Python standard-library sources",
         "block size": data_args.block_size,
@@ -181,6 +177,7 @@ def run_training(
         "train_tokens": trainer.state.global_step * tokens_per_step,
         "seconds": round(seconds, 1),
         "tokens_per_second": round((trainer.state.global_step - first_step) * tokens_per_step / max(seconds, 1e-9), 1),
+        "flops_per_token": flops_per_token,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "evaluations": [
             {"step": entry["step"], "eval_loss": entry["eval_loss"]}
