@@ -215,7 +215,7 @@ COMMANDS = {
     "list": Command("print the registered variants", "hf_attn_zoo.cli:list_command"),
     "train": Command(
         "train from a YAML recipe, with --section.field value overrides",
-        "hf_attn_zoo.training:main",  # the recipe loader parses the overrides; argparse would misread `--key 3`
+        "hf_attn_zoo.train:main",  # the recipe loader parses the overrides; argparse would misread `--key 3`
         passes_through=True,
         parser={
             "description": "train from a YAML recipe, with --section.field value overrides (`training.*` are "

@@ -54,7 +54,7 @@ def list_command(options: None) -> None:
 
 def recipe_fields() -> str:
     """The fields of each recipe section, for `train --help`."""
-    from .training import SECTIONS
+    from .train.recipe import SECTIONS
 
     return "fields of each recipe section:\n" + "\n".join(
         textwrap.fill(

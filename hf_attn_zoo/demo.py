@@ -2,7 +2,7 @@
 validation perplexity against the unigram baseline of the same data, generate a sample, and reload the saved
 checkpoint through the Auto classes.
 
-It runs `hf_attn_zoo.training.run_training`, the code path of `hf-attn-zoo train`, with a recipe written here so
+It runs `hf_attn_zoo.train.run_training`, the code path of `hf-attn-zoo train`, with a recipe written here so
 that it needs nothing but the installed package.
 """
 
@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from .data import DataArguments
 from .models import get_variant
-from .training import ModelArguments, complete_checkpoints, run_training
+from .train import ModelArguments, run_training
+from .train.trainer import complete_checkpoints
 
 if TYPE_CHECKING:
     from hf_attn_zoo_cli import DemoOptions

@@ -32,7 +32,7 @@ TRAINING_STATE = [
     "runs/*",
 ]
 
-# training_summary.json (hf_attn_zoo.training) fields that a card made for a pushed checkpoint reports
+# training_summary.json (hf_attn_zoo.train) fields that a card made for a pushed checkpoint reports
 SUMMARY_FIELDS = {
     "validation_perplexity": "validation perplexity",
     "unigram_perplexity": "unigram baseline perplexity",

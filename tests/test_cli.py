@@ -265,7 +265,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 def test_a_command_that_returns_what_it_made_exits_0(monkeypatch):
     """`train` returns the run's summary, `convert` the folder it wrote: exit status 0, not the object."""
-    import hf_attn_zoo.training
+    import hf_attn_zoo.train
 
-    monkeypatch.setattr(hf_attn_zoo.training, "main", lambda argv: {"steps": 3, "argv": argv})
+    monkeypatch.setattr(hf_attn_zoo.train, "main", lambda argv: {"steps": 3, "argv": argv})
     assert main(["train", "recipe.yaml", "--training.max_steps", "3"]) == 0

@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters, warn_once_cache
 
 from hf_attn_zoo.models import VARIANTS
-from hf_attn_zoo.training import load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
 
 from conftest import ATOL, tiny_model
 

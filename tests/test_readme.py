@@ -20,7 +20,7 @@ import yaml
 from hub_server import HubServer, use_hub
 
 from hf_attn_zoo.errors import UserError
-from hf_attn_zoo.training import load_recipe
+from hf_attn_zoo.train import load_recipe
 from hf_attn_zoo_cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_attn_zoo import training
 from hf_attn_zoo.errors import MissingPathError, UserError
-from hf_attn_zoo.training import load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.recipe import check_launch
 
 from conftest import free_port
 
@@ -46,8 +46,8 @@ def test_a_bad_value_names_the_recipe_the_field_and_the_value(tmp_path):
         load_recipe(path, ["--training.output_dir", str(tmp_path)])
     with pytest.raises(UserError, match=r"command line: training\.max_steps.*'forty'"):
         load_recipe(TINY, ["--training.max_steps", "forty"])
-    with pytest.raises(UserError, match=r"command line: model\.uptrain_fraction.*'half'"):
-        load_recipe(TINY, ["--model.init_from", "x", "--model.uptrain_fraction", "half"])
+    with pytest.raises(UserError, match=r"command line: convert\.uptrain_fraction.*'half'"):
+        load_recipe(TINY, ["--model.init_from", "x", "--convert.uptrain_fraction", "half"])
 
 
 def test_validation_errors_of_the_sections_name_the_recipe_and_the_section(tmp_path):
@@ -81,9 +81,9 @@ def parent_with_tokens(tmp_path: Path, tokens: int) -> Path:
 
 def test_an_uptrain_fraction_that_gives_no_step_is_refused_before_any_work(tmp_path):
     parent = parent_with_tokens(tmp_path, 2048)  # tiny_gqa: 8 blocks of 64 tokens = 512 tokens a step
-    args = ["--model.init_from", str(parent), "--model.uptrain_fraction", "0.1"]
+    args = ["--model.init_from", str(parent), "--convert.uptrain_fraction", "0.1"]
     args += ["--training.output_dir", str(tmp_path / "out"), "--training.report_to", "none"]
-    with pytest.raises(UserError, match=r"model\.uptrain_fraction=0\.1 .*2048.*512.*0\.13") as caught:
+    with pytest.raises(UserError, match=r"convert\.uptrain_fraction=0\.1 .*2048.*512.*0\.13") as caught:
         run_training(*load_recipe(TINY, args))
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists()  # refused before data preparation
@@ -108,7 +108,7 @@ def test_a_process_count_that_did_not_materialise_is_refused(monkeypatch):
     with pytest.raises(UserError, match=r"one process.*torchrun --nproc_per_node.*configs/accelerate/multi_gpu\.yaml"):
         load_recipe(TINY)
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun / accelerate with a config: the processes exist
-    training.check_launch()
+    check_launch()
 
 
 def run_script(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

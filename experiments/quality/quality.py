@@ -59,7 +59,9 @@ from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
 from hf_attn_zoo.models import POSITION_EMBEDDING_TYPES, VARIANTS, get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
-from hf_attn_zoo.training import load_recipe, non_embedding_parameters, read_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.build import non_embedding_parameters
+from hf_attn_zoo.train.recipe import read_recipe
 
 DATA = REPOSITORY / "data"
 STUDY = Path(__file__).resolve().parent  # the board's results and its recipe's notes

@@ -23,7 +23,7 @@ from experiments.common import REPOSITORY, Benchmark, Results, main, write_resul
 from hf_attn_zoo.data import load_text_splits
 from hf_attn_zoo.demo import demo_recipe
 from hf_attn_zoo.evaluation.perplexity import score_texts
-from hf_attn_zoo.training import run_training
+from hf_attn_zoo.train import run_training
 from hf_attn_zoo_cli import DemoOptions
 
 MODES = ("eos", "documents")

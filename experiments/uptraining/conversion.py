@@ -31,7 +31,7 @@ from hf_attn_zoo.convert import METHODS, from_llama, mha_to_gqa
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
-from hf_attn_zoo.training import load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
 
 CALIBRATION_TOKENS = 4096
 POOLING = [method for method in METHODS if method != "random"]  # random is a fresh start, not a conversion
@@ -56,9 +56,9 @@ def score_conversion(setup: DemoConversionSetup, groups: int, method: str, alpha
     output_dir = Path(setup.runs_dir) / (f"g{groups}-{method}" + (f"-alpha{alpha:g}" if alpha else ""))
     summary_path = output_dir / "training_summary.json"
     if not summary_path.is_file():
-        overrides = ["--model.init_from", setup.parent, "--model.convert_num_key_value_heads", str(groups)]
-        overrides += ["--model.convert_method", method, "--model.convert_calibration_tokens", str(CALIBRATION_TOKENS)]
-        overrides += ["--model.uptrain_fraction", f"{alpha:g}", "--training.output_dir", str(output_dir)]
+        overrides = ["--model.init_from", setup.parent, "--convert.num_key_value_heads", str(groups)]
+        overrides += ["--convert.method", method, "--convert.calibration_tokens", str(CALIBRATION_TOKENS)]
+        overrides += ["--convert.uptrain_fraction", f"{alpha:g}", "--training.output_dir", str(output_dir)]
         overrides += ["--training.report_to", "none"]
         run_training(*load_recipe(REPOSITORY / "configs" / "uptrain" / "demo_gqa.yaml", overrides))
     return json.loads(summary_path.read_text())["validation_perplexity"]

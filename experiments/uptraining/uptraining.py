@@ -47,7 +47,8 @@ from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
 from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
-from hf_attn_zoo.training import complete_checkpoints, load_recipe, run_training
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.trainer import complete_checkpoints
 
 CONFIGS = REPOSITORY / "configs"
 STUDY = Path(__file__).resolve().parent  # runs, tables and plots of this study
@@ -191,15 +192,15 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
     jobs: list[tuple[str, str, list[str], str, float]] = []  # (name, recipe, overrides, method, alpha)
     for alpha in setup.alphas:
         if alpha > 0:  # the control: the parent itself trained on as many more tokens by the same recipe, unpooled
-            continued = ["--model.init_from", parent_final, "--model.convert_num_key_value_heads", str(heads)]
-            continued += ["--model.uptrain_fraction", str(alpha)]
+            continued = ["--model.init_from", parent_final, "--convert.num_key_value_heads", str(heads)]
+            continued += ["--convert.uptrain_fraction", str(alpha)]
             jobs.append((f"mha-continued-alpha{alpha:g}", setup.uptrain_recipe, continued, "continued", alpha))
         for groups in setup.groups:
             for method in setup.methods:
                 if grouping_changes_nothing(groups, method):
                     continue
-                conversion = ["--model.init_from", parent_final, "--model.convert_num_key_value_heads", str(groups)]
-                conversion += ["--model.convert_method", method, "--model.uptrain_fraction", str(alpha)]
+                conversion = ["--model.init_from", parent_final, "--convert.num_key_value_heads", str(groups)]
+                conversion += ["--convert.method", method, "--convert.uptrain_fraction", str(alpha)]
                 name = f"{label(groups)}-{method}-alpha{alpha:g}"
                 jobs.append((name, setup.uptrain_recipe, conversion, method, alpha))
     if setup.from_scratch:  # the parent's recipe and schedule, shortened to α of its steps, then at its full length
@@ -420,7 +421,7 @@ def uptrain_converted(setup: SmolLM2Setup, out: Path, converted, tokenizer, spli
     converted.save_pretrained(out / "converted")
     tokenizer.save_pretrained(out / "converted")
     # a recipe that pools (smollm2_mqa.yaml: 1 key/value head) pools 1 -> 1 by mean, which keeps the model as it is
-    overrides = ["--model.init_from", str(out / "converted"), "--model.convert_method", "mean"]
+    overrides = ["--model.init_from", str(out / "converted"), "--convert.method", "mean"]
     overrides += ["--data.train_files", *splits["train"]]
     overrides += ["--data.validation_files", str(held_out), "--training.output_dir", str(out / "run")]
     overrides += ["--training.eval_strategy", "steps", "--training.eval_steps", str(setup.eval_every)]

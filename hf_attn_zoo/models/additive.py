@@ -70,6 +70,12 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
     def query_key_width(cls, config: ZooAdditiveConfig) -> int:
         return config.additive_dim  # queries and keys live in the tanh layer's width
 
+    @classmethod
+    def mixing_flops_per_token(cls, config: ZooAdditiveConfig, seq_len: int) -> float:
+        # per head and key: q + k and tanh over a channels (2a elementwise, as many as the scores' matmuls, so counted
+        # here unlike softmax), v·tanh (2a), then a weighted value (2·d_v)
+        return config.num_attention_heads * seq_len * (4 * config.additive_dim + 2 * cls.value_width(config))
+
     def init_parameters(self, config: ZooAdditiveConfig) -> None:
         init.normal_(self.score_vector, mean=0.0, std=config.initializer_range)
 

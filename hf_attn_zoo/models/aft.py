@@ -137,6 +137,16 @@ class ZooAFTAttention(ZooAttention):
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # q_proj is the gate sigmoid(q), k_proj AFT's keys
 
     @classmethod
+    def mixing_flops_per_token(cls, config: ZooAFTConfig, seq_len: int) -> float:
+        # full: a weighted sum of exp(k)·v and exp(k) over every key, channel by channel (2·2d per key), and the bias
+        # u·vᵀ (2r per key); local: the same over the last s keys, those beyond entering through running sums; simple:
+        # only running sums, elementwise (exp, exp·v, two sums, one division: 5 per channel)
+        if config.aft_mode == "simple":
+            return 5 * config.hidden_size
+        keys = seq_len if config.aft_mode == "full" else min(seq_len, config.aft_window)
+        return keys * (4 * config.hidden_size + 2 * config.aft_bias_rank)
+
+    @classmethod
     def attention_weights_absence(cls, config: ZooAFTConfig) -> str:
         return "AFT has no query-key scores: each channel of the output is its own weighted average of the values"
 

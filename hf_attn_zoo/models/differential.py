@@ -94,6 +94,12 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
     def rotary_dim(cls, config: ZooDifferentialConfig) -> int:
         return config.head_dim // 2  # each map rotates on its own
 
+    @classmethod
+    def mixing_flops_per_token(cls, config: ZooDifferentialConfig, seq_len: int) -> float:
+        # two maps per head, each scoring on head_dim / 2 channels and weighting the head_dim-wide value:
+        # 2 · (2·d/2 + 2·d) = 6·d per head and key, against MHA's 4·d
+        return 6 * config.num_attention_heads * config.head_dim * seq_len
+
     def __init__(self, config: ZooDifferentialConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)  # GQA projections at head_dim: each head's two maps side by side
         self.map_dim = self.head_dim // 2

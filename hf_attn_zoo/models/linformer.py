@@ -122,6 +122,21 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         self.borrowed_projection: tuple[LinformerProjection, ...] = ()  # layerwise: the model's, kept out of the tree
 
     @classmethod
+    def mixing_flops_per_token(cls, config: ZooLinformerConfig, seq_len: int) -> float:
+        # per query head: scores against k slots and a weighted sum of them (4·k·d); per key/value head, folding a
+        # token into K̄ and V̄ (4·k·d). The causal form adds its exact in-chunk prefix sums: q·k, ·E, p·F, ·v over c
+        heads, kv_heads, slots, width = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.linformer_k,
+            cls.value_width(config),
+        )
+        flops = 4 * heads * slots * width + 4 * kv_heads * slots * width
+        if config.is_causal:
+            flops += 4 * heads * min(config.query_chunk_size, seq_len) * (width + slots)
+        return flops
+
+    @classmethod
     def attention_weights_absence(cls, config: ZooLinformerConfig) -> str | None:
         if not config.is_causal:
             return None  # the paper's form: weights over the k slots

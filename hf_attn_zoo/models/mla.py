@@ -194,6 +194,13 @@ class ZooMultiHeadLatentAttention(ZooAttention):
         return config.v_head_dim
 
     @classmethod
+    def mixing_flops_per_token(cls, config: ZooMLAConfig, seq_len: int) -> float:
+        # the expanded form training runs: per head, scores over nope + rope channels and values of v_head_dim
+        # (kv_b_proj's up-projection of the latent is a Linear on every token, counted with the parameters)
+        widths = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+        return 2 * config.num_attention_heads * seq_len * widths
+
+    @classmethod
     def rotary_dim(cls, config: ZooMLAConfig) -> int:
         # a conversion's subset of the parent's frequencies is gathered per layer from the parent's whole ladder
         return config.head_dim if config.rope_frequencies is not None else config.qk_rope_head_dim

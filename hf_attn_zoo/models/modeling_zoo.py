@@ -211,6 +211,14 @@ class ZooAttention(ZooModule):
         return config.head_dim
 
     @classmethod
+    def mixing_flops_per_token(cls, config: ZooConfig, seq_len: int) -> float:
+        """Forward FLOPs of one layer's sequence mixing outside its Linear layers, for one token whose query sees
+        `seq_len` positions: the full length, as PaLM counts (no halving for the causal mask), multiply-adds as 2.
+        Softmax and other O(1)-per-score elementwise work is left out, as PaLM leaves it. Default: dot-product
+        attention, per query head a score against each key (2·d_qk) and a weighted value (2·d_v)."""
+        return 2 * config.num_attention_heads * seq_len * (cls.query_key_width(config) + cls.value_width(config))
+
+    @classmethod
     def rotary_dim(cls, config: ZooConfig) -> int:
         """Width RoPE rotates: the query/key width by default."""
         return cls.query_key_width(config)

@@ -71,6 +71,11 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
     def window(cls, config: ZooSlidingWindowConfig) -> int:
         return config.sliding_window
 
+    @classmethod
+    def mixing_flops_per_token(cls, config: ZooSlidingWindowConfig, seq_len: int) -> float:
+        # dot-product attention over the last w keys only (the banded kernel computes no more)
+        return super().mixing_flops_per_token(config, min(seq_len, config.sliding_window))
+
     def attend(self, query, key, value, attention_mask, **kwargs):
         if isinstance(attention_mask, BlockwiseCausalMask):
             return self._banded(query, key, value, attention_mask), None

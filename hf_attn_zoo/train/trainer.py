@@ -1,0 +1,143 @@
+"""`ZooTrainer`, the transformers `Trainer` with its fixes (resuming, FSDP on CPU processes, saving a sharded model
+as its own class), and which checkpoint a run resumes from."""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..errors import MissingPathError, UserError
+from .callbacks import COMPLETE_MARKER
+
+
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete `checkpoint-N` folders of `output_dir`, oldest first."""
+    folders = Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+    complete = [f for f in folders if f.name.split("-")[-1].isdigit() and (f / COMPLETE_MARKER).is_file()]
+    return sorted(complete, key=lambda f: int(f.name.split("-")[-1]))
+
+
+def resolve_resume(training_args: TrainingArguments) -> str | None:
+    """The checkpoint to resume from (`latest`/`true`: the newest complete one), refusing to train over existing
+    checkpoints unasked; incomplete checkpoints are renamed `incomplete-checkpoint-N`, never deleted."""
+    output_dir = Path(training_args.output_dir)
+    existing = sorted(output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")) if output_dir.is_dir() else []
+    request = training_args.resume_from_checkpoint
+    if not request:
+        if existing:
+            raise UserError(
+                f"training.output_dir={output_dir} already holds {existing[-1].name}; resume with "
+                f"--training.resume_from_checkpoint latest, or choose another output_dir."
+            )
+        return None
+    if str(request).lower() not in ("latest", "true"):
+        if not (Path(request) / COMPLETE_MARKER).is_file():
+            raise MissingPathError(
+                f"training.resume_from_checkpoint={request} is not a complete checkpoint (no {COMPLETE_MARKER}); "
+                f"resume from a complete one, or latest."
+            )
+        return str(request)
+    complete = complete_checkpoints(output_dir)
+    if training_args.process_index == 0:
+        newest = int(complete[-1].name.split("-")[-1]) if complete else -1
+        for folder in existing:
+            step = folder.name.split("-")[-1]
+            if step.isdigit() and int(step) > newest and not (folder / COMPLETE_MARKER).is_file():
+                folder.rename(folder.with_name(f"incomplete-{folder.name}"))
+    if not complete:
+        raise MissingPathError(f"nothing to resume: {output_dir} holds no complete checkpoint.")
+    return str(complete[-1])
+
+
+class ZooTrainer(Trainer):
+    """The `Trainer`, with two fixes to resuming, and FSDP on CPU processes."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        enable_fsdp_on_cpu(self)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        with unsharded_class(self.model):
+            super()._save(output_dir, state_dict=state_dict)
+
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        # The Trainer checks max_steps only after a step (DefaultFlowCallback.on_step_end): a state restored at
+        # global_step >= max_steps in the middle of an epoch would train one more step (and write a checkpoint) on
+        # every resume. Starting past the last epoch runs none.
+        epochs_trained, steps_trained_in_current_epoch = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if max_steps > 0 and self.state.global_step >= max_steps:
+            return num_train_epochs, 0
+        return epochs_trained, steps_trained_in_current_epoch
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # A tied lm_head.weight is not saved (save_pretrained keeps one copy of shared tensors), so loading a
+        # checkpoint's state dict reports it missing on every resume; it is the embedding's, loaded with it.
+        # Genuinely missing keys are still reported.
+        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        missing = [key for key in load_result.missing_keys if key not in tied]
+        if len(missing) < len(load_result.missing_keys):
+            self.model.tie_weights()
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
+
+@contextmanager
+def unsharded_class(model: torch.nn.Module) -> Iterator[None]:
+    """The model saved as its own class, not FSDP2's: `fully_shard` gives the model a class of its own
+    (`FSDPZooGQAForCausalLM`, in a torch module), and `save_pretrained` would name it in the config's `auto_map`
+    and copy torch's FSDP sources beside the weights as "remote code". Saving reads the state dict it is given and
+    runs no forward, so the class is swapped back for the save only."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = type(model)
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.__class__ = next(cls for cls in sharded.__mro__ if not issubclass(cls, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = sharded
+
+
+def enable_fsdp_on_cpu(trainer: Trainer) -> None:
+    """Shard with FSDP over gloo CPU processes when the launch asked for FSDP (accelerate's FSDP config, or the
+    Trainer's `fsdp`). accelerate turns FSDP on only over accelerator devices: on CPU processes (MULTI_CPU) it drops
+    the FSDP plugin and would run plain DDP, although FSDP2 (`fully_shard`) itself shards over gloo. So the state
+    is switched to FSDP after the fact, with the plugin the launch described; `accelerator.prepare` then shards the
+    model as on GPUs. FSDP version 1 is not switched on: on CPU it is left to run as DDP, as accelerate does."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    wanted = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" or trainer.args.fsdp_plugin_args is not None
+    if not wanted or state.distributed_type != DistributedType.MULTI_CPU or getattr(state, "fsdp_plugin", None):
+        return
+    plugin_args = trainer.args.fsdp_plugin_args or {}
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)  # unset fields come from accelerate's FSDP_* variables
+    if plugin.fsdp_version != 2:
+        raise UserError(
+            "FSDP version 1 on CPU processes: accelerate does not shard with it there; use fsdp_version: 2 "
+            "(configs/accelerate/fsdp_cpu.yaml)."
+        )
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    # as accelerate does for GPUs: every later AcceleratorState() copies the process state's distributed type
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
+
+
+def checkpoint_step(checkpoint: str | os.PathLike) -> int:
+    """The optimizer steps a checkpoint holds (its trainer state's global step; else its folder name's)."""
+    state = Path(checkpoint) / "trainer_state.json"
+    if state.is_file():
+        return TrainerState.load_from_json(str(state)).global_step
+    return int(Path(checkpoint).name.split("-")[-1])
