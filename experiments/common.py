@@ -7,7 +7,9 @@ A script here serves one or more named benchmarks (its `BENCHMARKS`: name -> `Be
     python -m experiments.STUDY.SCRIPT [NAME] [options]    (the same; NAME may be left out where there is one)
 
 Options are the fields of the benchmark's setup dataclass, parsed by transformers' `HfArgumentParser`
-(`--field value`; `--field-name` works as well); `--help` lists them with their defaults.
+(`--field value`; `--field-name` works as well); `--help` lists them with their defaults. `--replot` redraws a
+benchmark's figures from the results file in `--output_dir` (its `<stem>.json`) and nothing else: no run, and the
+tables and JSON stay as they are.
 """
 
 import json
@@ -146,9 +148,20 @@ def write_results(
         written.append(f"{stem}.md")
     write_atomically(folder / f"{stem}.json", json.dumps(data, indent=2, default=str) + "\n")
     written.append(f"{stem}.json")
-    for name, draw in (plots or {}).items():
-        written.append(name if draw(folder / name) else f"no {name} (no matplotlib)")
+    written += draw_figures(folder, plots or {})
     log(f"written to {folder}: {', '.join(written)}")
+
+
+def draw_figures(folder: str | Path, plots: dict[str, Callable[[Path], bool]]) -> list[str]:
+    """Draw each plot `file name -> draw(path)` into `folder`; what was written, as `write_results` reports it."""
+    return [
+        name if draw(Path(folder) / name) else f"no {name} (no matplotlib, or no data for it)"
+        for name, draw in plots.items()
+    ]
+
+
+# a benchmark's figures from its results: (the data of its results file) -> {file name: draw(path)}
+Figures = Callable[[Any], dict[str, Callable[[Path], bool]]]
 
 
 @dataclass(frozen=True)
@@ -157,6 +170,19 @@ class Benchmark:
 
     setup: type
     run: Callable[[Any], object]
+    # the figures `run` draws, from the data it writes to `<output_dir>/<results>.json`: `--replot` calls the same
+    # function on that file, so a figure redrawn is the figure a run draws (None: the benchmark draws no figure)
+    figures: Figures | None = None
+    results: str = ""
+
+    def replot(self, setup, log: Callable[[str], None] = print) -> list[str]:
+        """Redraw the figures from `<setup.output_dir>/<results>.json` alone: nothing is measured or rewritten."""
+        path = Path(setup.output_dir) / f"{self.results}.json"
+        if not path.is_file():
+            raise SystemExit(f"--replot: no {path}; run the benchmark first, or give the folder as --output_dir")
+        written = draw_figures(path.parent, self.figures(json.loads(path.read_text())))
+        log(f"redrawn in {path.parent} from {path.name}: {', '.join(written)}")
+        return written
 
 
 def main(benchmarks: dict[str, Benchmark], argv: Sequence[str] | None = None, prog: str | None = None) -> int:
@@ -174,8 +200,19 @@ def main(benchmarks: dict[str, Benchmark], argv: Sequence[str] | None = None, pr
             f"usage: {prog} {{{','.join(benchmarks)}}} [options]\n{listing}", file=sys.stdout if asked else sys.stderr
         )
         return 0 if asked else 2
-    setup_class = benchmarks[name].setup
-    parser = HfArgumentParser(setup_class, prog=prog, description=setup_class.__doc__)
-    (setup,) = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
-    benchmarks[name].run(setup)
+    benchmark = benchmarks[name]
+    parser = HfArgumentParser(benchmark.setup, prog=prog, description=benchmark.setup.__doc__)
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw the figures from the results JSON in --output_dir: no run, tables and JSON untouched",
+    )
+    # the setup, and the namespace of the options that are no field of it (--replot)
+    setup, options = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
+    if not options.replot:
+        benchmark.run(setup)
+    elif benchmark.figures is None:
+        raise SystemExit(f"--replot: {name} draws no figures")
+    else:
+        benchmark.replot(setup)
     return 0

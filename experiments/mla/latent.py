@@ -46,7 +46,7 @@ from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.convert import MLA_METHODS, from_llama, mha_to_gqa, to_mla
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
-from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.evaluation.plotting import colour, headless_pyplot, house_style, save_figure
 from hf_attn_zoo.models import get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
 
@@ -178,8 +178,7 @@ def run_latent(setup: LatentSetup, log=print) -> dict:
     }
     mqa = {method: {**run, **mqa_cache} for method, run in mqa.items()}
     result = {"setup": asdict(setup), "gqa": gqa, "conversions": conversions, "uptrained": uptrained, "mqa": mqa}
-    plots = {"cache.png": lambda path: plot_cache(result, path)}
-    write_results(out, "results", result, latent_table(setup, result), plots=plots, log=log)
+    write_results(out, "results", result, latent_table(setup, result), latent_figures(result), log=log)
     return result
 
 
@@ -224,57 +223,67 @@ def latent_table(setup: LatentSetup, result: dict) -> str:
 
 
 def plot_cache(result: dict, path: Path) -> bool:
-    """Held-out perplexity against cache bytes per token (log-log): conversions hollow, uptrained filled."""
+    """Held-out perplexity against cache bytes per token (log-log): conversions hollow, uptrained filled; MLA by
+    conversion method in its house colour (circles), MQA by pooling method (squares); the legend outside the axes."""
     plt = headless_pyplot()
     if plt is None:
         return False
-    figure, axis = plt.subplots(figsize=(7.5, 5))
-    gqa = result["gqa"]
-    axis.scatter([gqa["cache_bytes_per_token"]], [gqa["held_out_perplexity"]], color="black", label="GQA-3, imported")
-    for index, method in enumerate(dict.fromkeys(c["method"] for c in result["conversions"])):
-        points = [
-            (c["cache_bytes_per_token"], c["held_out_perplexity"])
-            for c in result["conversions"]
-            if c["method"] == method
-        ]
-        axis.plot(
-            *zip(*sorted(points)),
-            marker="o",
-            fillstyle="none",
-            linestyle=":",
-            color=f"C{index}",
-            label=f"MLA, {method}, converted",
-        )
-        trained = [
-            (u["cache_bytes_per_token"], u["held_out_perplexity"]["uptrained"])
-            for u in result["uptrained"]
-            if u["method"] == method
-        ]
-        if trained:
-            axis.plot(*zip(*sorted(trained)), marker="o", color=f"C{index}", label=f"MLA, {method}, uptrained")
-    for index, (method, run) in enumerate(result["mqa"].items(), start=2):
-        cache = run["cache_bytes_per_token"]
-        held = run["held_out_perplexity"]
+    with house_style():
+        figure, axis = plt.subplots(figsize=(9.5, 5), layout="constrained")
+        gqa = result["gqa"]
         axis.scatter(
-            [cache],
-            [held["converted"]],
-            marker="s",
-            facecolors="none",
-            edgecolors=f"C{index}",
-            label=f"MQA, {method}-pooled",
+            [gqa["cache_bytes_per_token"]], [gqa["held_out_perplexity"]], color=colour("gqa"), label="GQA-3, imported"
         )
-        axis.scatter([cache], [held["uptrained"]], marker="s", color=f"C{index}", label=f"MQA, {method}, uptrained")
-    axis.set(
-        xscale="log",
-        yscale="log",
-        xlabel="cache bytes per token (all layers, float32)",
-        ylabel="held-out perplexity (SOTU 2011-2021)",
-        title="SmolLM2-135M: GQA-3 -> MLA / MQA",
-    )
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize=7)
-    save_figure(figure, path)
+        for method in dict.fromkeys(c["method"] for c in result["conversions"]):
+            points = [
+                (c["cache_bytes_per_token"], c["held_out_perplexity"])
+                for c in result["conversions"]
+                if c["method"] == method
+            ]
+            axis.plot(
+                *zip(*sorted(points)),
+                marker="o",
+                fillstyle="none",
+                linestyle=":",
+                color=colour(method),
+                label=f"MLA, {method}, converted",
+            )
+            trained = [
+                (u["cache_bytes_per_token"], u["held_out_perplexity"]["uptrained"])
+                for u in result["uptrained"]
+                if u["method"] == method
+            ]
+            if trained:
+                axis.plot(*zip(*sorted(trained)), marker="o", color=colour(method), label=f"MLA, {method}, uptrained")
+        for method, run in result["mqa"].items():
+            cache = run["cache_bytes_per_token"]
+            held = run["held_out_perplexity"]
+            axis.scatter(
+                [cache],
+                [held["converted"]],
+                marker="s",
+                facecolors="none",
+                edgecolors=colour(method),
+                label=f"MQA, {method}-pooled",
+            )
+            axis.scatter(
+                [cache], [held["uptrained"]], marker="s", color=colour(method), label=f"MQA, {method}, uptrained"
+            )
+        axis.set(
+            xscale="log",
+            yscale="log",
+            xlabel="cache (bytes per token, all layers, float32)",
+            ylabel="held-out perplexity (per token, SOTU 2011-2021)",
+            title="SmolLM2-135M: GQA-3 -> MLA / MQA",
+        )
+        figure.legend(loc="outside right upper")
+        save_figure(figure, path)
     return True
+
+
+def latent_figures(result: dict) -> dict:
+    """cache.png from results.json's contents, for a run and `--replot`."""
+    return {"cache.png": lambda path: plot_cache(result, path)}
 
 
 # SmolLM2-135M's shape, and what `mla-smollm2` converts it into at a quarter of its cache (64+32): the parent's
@@ -459,7 +468,7 @@ def decode_table(setup: LatentDecodeSetup, rows: list[dict]) -> str:
 
 
 BENCHMARKS = {
-    "mla-smollm2": Benchmark(LatentSetup, run_latent),
+    "mla-smollm2": Benchmark(LatentSetup, run_latent, figures=latent_figures, results="results"),
     "mla-decode": Benchmark(LatentDecodeSetup, run_latent_decode),
 }
 

@@ -49,14 +49,22 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from experiments.common import REPOSITORY, Benchmark, Results, main
+from experiments.common import REPOSITORY, Benchmark, Results, draw_figures, main
 from experiments.speed.scaling import cache_nbytes
 from experiments.uptraining.uptraining import split_by_year
 from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.data import train_byte_level_bpe
 from hf_attn_zoo.errors import one_line
 from hf_attn_zoo.evaluation.perplexity import score_texts
-from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.evaluation.plotting import (
+    POSITION_STYLES,
+    colour,
+    headless_pyplot,
+    house_style,
+    place_labels,
+    save_figure,
+    ticks_at,
+)
 from hf_attn_zoo.models import POSITION_EMBEDDING_TYPES, VARIANTS, get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
 from hf_attn_zoo.train import load_recipe, run_training
@@ -604,63 +612,75 @@ def board_table(rows: list[dict], setup: QualitySetup) -> str:
     return "\n".join(lines)
 
 
+def configuration_label(variant: str, positions: str) -> str:
+    return variant if positions == default_positions(variant) else f"{variant} ({positions})"
+
+
 def plot_against(rows: list[dict], path: Path, x_of: Callable[[list[dict]], float], x_label: str, log_x: bool) -> bool:
-    """Test perplexity (mean, a bar of one standard deviation) of every configuration against `x_of(its rows)`."""
+    """Test perplexity (mean, a bar of one standard deviation) of every configuration against `x_of(its rows)`, each
+    point named where its name overlaps no other (configurations of one cache size sit in one column)."""
     plt = headless_pyplot()
     grouped = groups(rows)
     if plt is None or not grouped:
         return False
-    fig, axis = plt.subplots(figsize=(8, 5.5))
-    for (variant, positions), cells in grouped.items():
-        mean, spread = mean_spread([r["test_perplexity"] for r in cells])
-        x = x_of(cells)
-        axis.errorbar([x], [mean], yerr=[spread], fmt="o", capsize=3)
-        axis.annotate(
-            variant if positions == default_positions(variant) else f"{variant} ({positions})",
-            (x, mean),
-            textcoords="offset points",
-            xytext=(4, 3),
-            fontsize=7,
-        )
-    if log_x:
-        axis.set_xscale("log")
-    axis.set_xlabel(x_label)
-    axis.set_ylabel("test perplexity (State of the Union 2011-2021)")
-    axis.grid(alpha=0.3)
-    save_figure(fig, path)
+    with house_style():
+        fig, axis = plt.subplots(figsize=(9, 6))
+        points, labels, colours, spans = [], [], [], []
+        for (variant, positions), cells in grouped.items():
+            mean, spread = mean_spread([r["test_perplexity"] for r in cells])
+            x = x_of(cells)
+            style = POSITION_STYLES.get(positions, {})
+            axis.errorbar([x], [mean], yerr=[spread], fmt=style.get("marker", "o"), color=colour(variant))
+            points.append((x, mean))
+            labels.append(configuration_label(variant, positions))
+            colours.append(colour(variant))
+            spans.append((mean - spread, mean + spread))
+        if log_x:
+            axis.set_xscale("log")
+        axis.margins(x=0.12, y=0.08)  # room for the names of the outermost points
+        axis.set_xlabel(x_label)
+        axis.set_ylabel("test perplexity (per token, State of the Union 2011-2021)")
+        axis.set_title("mean of the seeds, bar: one standard deviation; marker: position type (circle: default)")
+        place_labels(axis, points, labels, colours, spans)
+        save_figure(fig, path)
     return True
 
 
 def plot_extrapolation(rows: list[dict], lengths: list[int], path: Path) -> bool:
+    """Test perplexity against the scored window length, one line per configuration: colour by variant, line and
+    marker by position type; the legend outside the axes, where it covers no line."""
     plt = headless_pyplot()
     grouped = groups(rows)
     if plt is None or not grouped:
         return False
-    fig, axis = plt.subplots(figsize=(8, 5.5))
-    for key in grouped:
-        points = [(n, extrapolated(grouped, key, n)) for n in lengths]
-        points = [(n, statistics.fmean(s)) for n, s in points if not isinstance(s, str) and s]
-        if len(points) > 1:
-            axis.plot(*zip(*points), marker="o", label=f"{key[0]} ({key[1]})")
-    axis.set_xscale("log", base=2)
-    axis.set_yscale("log")
-    axis.set_xlabel(f"window length (trained on {min(lengths)})")
-    axis.set_ylabel("test perplexity")
-    axis.legend(fontsize=7, ncol=2)
-    axis.grid(alpha=0.3)
-    save_figure(fig, path)
+    with house_style():
+        fig, axis = plt.subplots(figsize=(10, 5.5), layout="constrained")
+        for key in grouped:
+            points = [(n, extrapolated(grouped, key, n)) for n in lengths]
+            points = [(n, statistics.fmean(s)) for n, s in points if not isinstance(s, str) and s]
+            if len(points) > 1:
+                style = POSITION_STYLES.get(key[1], {"marker": "o"})
+                axis.plot(*zip(*points), color=colour(key[0]), label=f"{key[0]} ({key[1]})", **style)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        ticks_at(axis.xaxis, lengths)
+        axis.set_xlabel(f"scored window length (tokens; trained on {min(lengths)})")
+        axis.set_ylabel("test perplexity (per token)")
+        axis.set_title("extrapolation: windows of L tokens every L/2, mean of the seeds")
+        fig.legend(loc="outside right upper", title="variant (positions)")
+        save_figure(fig, path)
     return True
 
 
-def write_board(setup: QualitySetup, rows: list[dict], log: Callable[[str], None] = print) -> None:
-    """board.md (the tables and the claims) and the plots, from the rows so far."""
-    folder = Path(setup.output_dir)
-    plots = {
+def board_figures(board: dict) -> dict[str, Callable[[Path], bool]]:
+    """The board's figures from board.json's contents (`{"defining": ..., "rows": ...}`), for a run and `--replot`."""
+    rows, defining = board["rows"], board["defining"]
+    return {
         "frontier.png": lambda path: plot_against(
             rows,
             path,
             lambda cells: cells[0]["cache_bytes_per_token"],
-            f"cache bytes per token after {setup.cache_tokens} tokens (log)",
+            f"cache (bytes per token, after {defining['cache_tokens']} tokens)",
             True,
         ),
         "walltime.png": lambda path: plot_against(
@@ -670,17 +690,22 @@ def write_board(setup: QualitySetup, rows: list[dict], log: Callable[[str], None
             "training wall time (minutes, 2 CPU cores)",
             False,
         ),
-        "extrapolation.png": lambda path: plot_extrapolation(rows, setup.lengths, path),
+        "extrapolation.png": lambda path: plot_extrapolation(rows, defining["lengths"], path),
     }
+
+
+def write_board(setup: QualitySetup, rows: list[dict], log: Callable[[str], None] = print) -> None:
+    """board.md (the tables and the claims) and the plots, from the rows so far."""
+    folder = Path(setup.output_dir)
     table = board_table(rows, setup)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "board.md").write_text(table + "\n")
-    drawn = [name if draw(folder / name) else f"no {name} (no matplotlib)" for name, draw in plots.items()]
+    drawn = draw_figures(folder, board_figures({"defining": setup.defining(), "rows": rows}))
     log(table)
     log(f"written to {folder}: board.json, board.md, {', '.join(drawn)}")
 
 
-BENCHMARKS = {"quality": Benchmark(QualitySetup, run_board)}
+BENCHMARKS = {"quality": Benchmark(QualitySetup, run_board, figures=board_figures, results="board")}
 
 if __name__ == "__main__":
     sys.exit(main(BENCHMARKS))

@@ -38,7 +38,7 @@ from experiments.common import (
 )
 from experiments.speed.scaling import ScalingSetup, benchmark_model, cache_nbytes
 from hf_attn_zoo.decoding import generate_compiled
-from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.evaluation.plotting import colour, headless_pyplot, house_style, save_figure
 from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.models.compat_zoo import returned_cache
 
@@ -119,38 +119,55 @@ def decode_table(rows: list[dict], setup: DecodeSetup) -> str:
 
 
 def decode_plot(rows: list[dict], path: Path) -> bool:
+    """Decode tokens/s per variant (horizontal bars in the variant's house colour, names unrotated on the y axis),
+    the same-size Llama's rate as a black tick on each bar; one panel per batch size."""
     plt = headless_pyplot()
     if plt is None:
         return False
     batch_sizes = sorted({row["batch_size"] for row in rows})
     variants = list(dict.fromkeys(row["variant"] for row in rows))
-    figure, axes = plt.subplots(1, len(batch_sizes), figsize=(7 * len(batch_sizes), 5), squeeze=False)
-    for axis, batch_size in zip(axes[0], batch_sizes):
-        by_variant = {row["variant"]: row for row in rows if row["batch_size"] == batch_size}
-        x = range(len(variants))
-        axis.bar(x, [by_variant[v]["decode_zoo"] for v in variants], color="tab:blue", label="zoo variant")
-        axis.scatter(
-            x,
-            [by_variant[v]["decode_llama"] for v in variants],
-            color="tab:red",
-            marker="_",
-            s=400,
-            linewidths=3,
-            label="LlamaForCausalLM, same size",
-            zorder=3,
+    with house_style():
+        figure, axes = plt.subplots(
+            1,
+            len(batch_sizes),
+            figsize=(6 * len(batch_sizes), 0.3 * len(variants) + 2.5),
+            squeeze=False,
+            sharey=True,
+            layout="constrained",
         )
-        axis.set_xticks(list(x), variants, rotation=45, ha="right")
-        axis.set(ylabel="decode tokens/s", title=f"generate() decode speed, batch {batch_size}")
-        axis.grid(True, axis="y", alpha=0.3)
-        axis.legend(fontsize=8)
-    save_figure(figure, path)
+        for axis, batch_size in zip(axes[0], batch_sizes):
+            by_variant = {row["variant"]: row for row in rows if row["batch_size"] == batch_size}
+            shown = [v for v in variants if v in by_variant]
+            y = range(len(shown))
+            axis.barh(y, [by_variant[v]["decode_zoo"] for v in shown], color=[colour(v) for v in shown])
+            axis.scatter(
+                [by_variant[v]["decode_llama"] for v in shown],
+                y,
+                color=colour("llama"),
+                marker="|",
+                s=250,
+                linewidths=2.5,
+                label="LlamaForCausalLM, same size",
+                zorder=3,
+            )
+            axis.set_yticks(list(y), shown)
+            axis.invert_yaxis()  # the first variant on top, as in the table
+            axis.set(xlabel="decode speed (tokens/s)", title=f"generate() decode, batch {batch_size}")
+            axis.grid(False, axis="y")
+        axes[0][0].set_ylabel("variant")
+        figure.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center")
+        save_figure(figure, path)
     return True
+
+
+def decode_figures(rows: list[dict]) -> dict:
+    """decode.png from decode.json's contents, for a run and `--replot`."""
+    return {"decode.png": lambda path: decode_plot(rows, path)}
 
 
 def run_decode(setup: DecodeSetup) -> list[dict]:
     rows = decode_benchmark(setup)
-    plots = {"decode.png": lambda path: decode_plot(rows, path)}
-    write_results(setup.output_dir, "decode", rows, decode_table(rows, setup), plots)
+    write_results(setup.output_dir, "decode", rows, decode_table(rows, setup), decode_figures(rows))
     return rows
 
 
@@ -256,7 +273,7 @@ def run_fast_decode(setup: FastDecodeSetup) -> list[dict]:
 
 
 BENCHMARKS = {
-    "decode": Benchmark(DecodeSetup, run_decode),
+    "decode": Benchmark(DecodeSetup, run_decode, figures=decode_figures, results="decode"),
     "fast-decode": Benchmark(FastDecodeSetup, run_fast_decode),
 }
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from experiments.common import REPOSITORY, Benchmark, Results, main, write_results
-from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.evaluation.plotting import colour, headless_pyplot, house_style, save_figure, ticks_at
 from hf_attn_zoo.models import VARIANTS, get_variant
 from hf_attn_zoo.models.compat_zoo import returned_cache
 
@@ -219,25 +219,36 @@ def table(results: dict, setup: ScalingSetup) -> str:
 
 
 def plot(results: dict, path: Path) -> bool:
+    """Forward time and peak memory against T (log-log), one line per variant in its house colour; one legend for
+    both panels, outside them, naming each variant with its fitted time exponent."""
     plt = headless_pyplot()
     if plt is None:
         return False
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
-    colours = plt.get_cmap("tab20").colors
-    for index, (name, result) in enumerate(results.items()):
-        rows = result["forward"]
-        lengths = [row["length"] for row in rows]
-        style = dict(color=colours[(2 * index) % 20 + (index >= 10)], marker="os^Dv<>p*hX"[index % 11])
-        label = f"{name} ({exponent(rows):.2f})"
-        time_axis.loglog(lengths, [row["seconds"] for row in rows], label=label, **style)
-        memory_axis.loglog(lengths, [row["peak_bytes"] / 2**20 for row in rows], label=name, **style)
-    time_axis.set(xlabel="sequence length T", ylabel="forward time (s)", title="forward time (fitted exponent)")
-    memory_axis.set(xlabel="sequence length T", ylabel="peak memory (MiB)", title="peak memory of the forward")
-    for axis in (time_axis, memory_axis):
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
-    save_figure(figure, path)
+    with house_style():
+        figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5.5), layout="constrained")
+        for index, (name, result) in enumerate(results.items()):
+            rows = result["forward"]
+            lengths = [row["length"] for row in rows]
+            style = dict(color=colour(name), marker="os^Dv<>p*hX"[index % 11])
+            label = f"{name} (time ∝ T^{exponent(rows):.2f})" if len(rows) >= 2 else name
+            time_axis.loglog(lengths, [row["seconds"] for row in rows], label=label, **style)
+            memory_axis.loglog(lengths, [row["peak_bytes"] / 2**20 for row in rows], **style)
+        time_axis.set(xlabel="sequence length T (tokens)", ylabel="forward time (s)", title="forward time")
+        memory_axis.set(
+            xlabel="sequence length T (tokens)", ylabel="peak memory (MiB)", title="peak memory of the forward"
+        )
+        measured = [row["length"] for result in results.values() for row in result["forward"]]
+        for axis in (time_axis, memory_axis):
+            axis.set_xscale("log", base=2)
+            ticks_at(axis.xaxis, measured)
+        figure.legend(loc="outside right upper", title="variant (fitted exponent)")
+        save_figure(figure, path)
     return True
+
+
+def scaling_figures(data: dict) -> dict:
+    """scaling.png from scaling.json's contents, for a run and `--replot`."""
+    return {"scaling.png": lambda path: plot(data["results"], path)}
 
 
 # the first argument of this script in the child processes of `run_scaling`
@@ -264,13 +275,11 @@ def run_scaling(setup: ScalingSetup, log=print) -> dict:
         for row, peak in zip(result["forward"], peaks[name]):
             row["peak_bytes"] = peak
     data = {"setup": asdict(setup), "results": results}
-    write_results(
-        setup.output_dir, "scaling", data, table(results, setup), {"scaling.png": lambda p: plot(results, p)}
-    )
+    write_results(setup.output_dir, "scaling", data, table(results, setup), scaling_figures(data))
     return results
 
 
-BENCHMARKS = {"scaling": Benchmark(ScalingSetup, run_scaling)}
+BENCHMARKS = {"scaling": Benchmark(ScalingSetup, run_scaling, figures=scaling_figures, results="scaling")}
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [CHILD]:  # a child process of `run_scaling`: progress on stderr, results as JSON on stdout

@@ -46,7 +46,7 @@ from hf_attn_zoo.convert import METHODS, from_llama, mha_to_gqa
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.gguf import plain_checkpoint, smollm2_gguf
 from hf_attn_zoo.evaluation.perplexity import score_texts
-from hf_attn_zoo.evaluation.plotting import headless_pyplot, save_figure
+from hf_attn_zoo.evaluation.plotting import colour, headless_pyplot, house_style, save_figure
 from hf_attn_zoo.train import load_recipe, run_training
 from hf_attn_zoo.train.trainer import complete_checkpoints
 
@@ -138,9 +138,8 @@ def run_experiment(setup: UptrainingSetup, log=print) -> list[dict]:
 
     def write() -> None:
         # every finished run in plan order, the ones a resumed experiment has not reached again included
-        results = [finished[name] for name in plan if name in finished]
-        plots = {"alpha.png": lambda path: plot(results, path), "parent.png": lambda path: plot_parent(results, path)}
-        write_results(out, "results", {"setup": asdict(setup), "results": results}, table(results), plots, log=log)
+        data = {"setup": asdict(setup), "results": [finished[name] for name in plan if name in finished]}
+        write_results(out, "results", data, table(data["results"]), uptraining_figures(data), log=log)
 
     def run(name: str, recipe: str, overrides: list[str], **extra) -> dict:
         if name in finished:  # read back with the plan, before the first new run
@@ -253,8 +252,9 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> bool:
-    """Test perplexity against α, one panel per G, one line per method; the parent dashed and, in every panel, the
-    parent trained on α more (`continued`, dotted with crosses); scratch at its full budget dotted."""
+    """Test perplexity against α, one panel per G, one line per method (its house colour); the parent dashed and, in
+    every panel, the parent trained on α more (`continued`, dotted with crosses); scratch at its full budget dotted.
+    One legend for all panels, below them."""
     plt = headless_pyplot()
     if plt is None:
         return False
@@ -263,30 +263,41 @@ def plot(results: list[dict], path: Path) -> bool:
     if not groups:
         return False
     continued = sorted((r["alpha"], r["test_perplexity"]) for r in results if r["method"] == "continued")
-    figure, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), sharey=True, squeeze=False)
-    for axis, g in zip(axes[0], groups):
-        for method in dict.fromkeys(r["method"] for r in results if r["groups"] == g and r["method"] != "-"):
-            points = sorted(
-                (r["alpha"], r["test_perplexity"])
-                for r in results
-                if r["groups"] == g and r["method"] == method and r["alpha"] < 1
-            )
-            if points:
-                style = {"color": "gray", "linestyle": "-."} if method == "scratch" else {}
-                axis.plot([a for a, _ in points], [p for _, p in points], marker="o", label=method, **style)
-        axis.axhline(parent["test_perplexity"], color="black", linestyle="--", label="MHA parent")
-        if continued:
-            axis.plot(*zip(*continued), color="black", linestyle=":", marker="x", label="MHA parent, continued")
-        full = [r for r in results if r["groups"] == g and r["method"] == "scratch" and r["alpha"] == 1]
-        if full:
-            axis.axhline(full[0]["test_perplexity"], color="gray", linestyle=":", label="scratch, parent's budget")
-        axis.set(title="MQA" if g == 1 else f"GQA-{g}", xlabel="uptraining fraction α of the parent's tokens")
-        axis.set_yscale("log")
-        axis.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("test perplexity (SOTU 2011-2021)")
-    axes[0][0].legend(fontsize=8)  # the most key/value heads: every method has a line there, grouping too
-    figure.suptitle("uptraining MHA -> GQA / MQA by pooling method")
-    save_figure(figure, path)
+    with house_style():
+        figure, axes = plt.subplots(
+            1, len(groups), figsize=(5 * len(groups), 5), sharey=True, squeeze=False, layout="constrained"
+        )
+        legend = {}  # label -> handle, over all panels: a method may have runs at one G only
+        for axis, g in zip(axes[0], groups):
+            for method in dict.fromkeys(r["method"] for r in results if r["groups"] == g and r["method"] != "-"):
+                points = sorted(
+                    (r["alpha"], r["test_perplexity"])
+                    for r in results
+                    if r["groups"] == g and r["method"] == method and r["alpha"] < 1
+                )
+                if points:
+                    style = {"linestyle": "-."} if method == "scratch" else {}
+                    axis.plot(*zip(*points), marker="o", color=colour(method), label=method, **style)
+            axis.axhline(parent["test_perplexity"], color=colour("parent"), linestyle="--", label="MHA parent")
+            if continued:
+                axis.plot(
+                    *zip(*continued), color=colour("parent"), linestyle=":", marker="x", label="MHA parent, continued"
+                )
+            full = [r for r in results if r["groups"] == g and r["method"] == "scratch" and r["alpha"] == 1]
+            if full:
+                axis.axhline(
+                    full[0]["test_perplexity"],
+                    color=colour("scratch"),
+                    linestyle=":",
+                    label="scratch, parent's budget",
+                )
+            axis.set(title="MQA" if g == 1 else f"GQA-{g}", xlabel="uptraining α (fraction of the parent's tokens)")
+            axis.set_yscale("log")
+            legend.update(zip(*reversed(axis.get_legend_handles_labels())))
+        axes[0][0].set_ylabel("test perplexity (per token, SOTU 2011-2021)")
+        figure.legend(legend.values(), legend.keys(), loc="outside lower center", ncol=min(len(legend), 5))
+        figure.suptitle("uptraining MHA -> GQA / MQA by pooling method")
+        save_figure(figure, path)
     return True
 
 
@@ -298,17 +309,29 @@ def plot_parent(results: list[dict], path: Path) -> bool:
     if plt is None or not curve:
         return False
     tokens_per_step = parent["train_tokens"] / max(parent["steps"], 1)
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    axis.plot([e["step"] * tokens_per_step / 1e6 for e in curve], [e["perplexity"] for e in curve], marker="o")
-    axis.set(
-        xlabel="training tokens (millions)",
-        ylabel="validation perplexity (SOTU 2001-2010)",
-        yscale="log",
-        title="the MHA parent's validation curve",
-    )
-    axis.grid(True, which="both", alpha=0.3)
-    save_figure(figure, path)
+    with house_style():
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        axis.plot(
+            [e["step"] * tokens_per_step / 1e6 for e in curve],
+            [e["perplexity"] for e in curve],
+            marker="o",
+            color=colour("mha"),
+        )
+        axis.set(
+            xlabel="training tokens (millions)",
+            ylabel="validation perplexity (per token, SOTU 2001-2010)",
+            yscale="log",
+            title="the MHA parent's validation curve",
+        )
+        save_figure(figure, path)
     return True
+
+
+def uptraining_figures(data: dict) -> dict:
+    """alpha.png and parent.png from results.json's contents (`{"setup": ..., "results": ...}`), for a run and
+    `--replot`."""
+    results = data["results"]
+    return {"alpha.png": lambda path: plot(results, path), "parent.png": lambda path: plot_parent(results, path)}
 
 
 @dataclass
@@ -394,9 +417,7 @@ def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:
         gqa_model()
     unpooled = json.loads(unpooled_file.read_text())
     result = {"setup": asdict(setup), "gqa": unpooled, "runs": runs}
-    reference = unpooled["held_out_perplexity"]
-    plots = {"recovery.png": lambda path: plot_recovery(runs, path, reference=reference)}
-    write_results(out, "results", result, smollm2_table(setup, runs, unpooled), plots=plots, log=log)
+    write_results(out, "results", result, smollm2_table(setup, runs, unpooled), smollm2_figures(result), log=log)
     return result
 
 
@@ -483,37 +504,46 @@ def smollm2_table(setup: SmolLM2Setup, runs: dict[str, dict], unpooled: dict) ->
 
 
 def plot_recovery(runs: dict[str, dict], path: Path, reference: float | None = None) -> bool:
-    """Held-out perplexity against uptraining tokens, one line per pooling method; `reference`: the model before
-    pooling, as a dashed line."""
+    """Held-out perplexity against uptraining tokens, one line per pooling method (its house colour); `reference`:
+    the model before pooling, as a dashed line."""
     plt = headless_pyplot()
     if plt is None:
         return False
-    figure, axis = plt.subplots(figsize=(7, 5))
-    for method, run in runs.items():
-        recovery = run["recovery"]
-        axis.plot(
-            [r["tokens"] for r in recovery],
-            [r["held_out_perplexity"] for r in recovery],
-            marker="o",
-            label=f"MQA, {method}-pooled",
+    with house_style():
+        figure, axis = plt.subplots(figsize=(7, 5))
+        for method, run in runs.items():
+            recovery = run["recovery"]
+            axis.plot(
+                [r["tokens"] / 1e3 for r in recovery],
+                [r["held_out_perplexity"] for r in recovery],
+                marker="o",
+                color=colour(method),
+                label=f"MQA, {method}-pooled",
+            )
+        if reference is not None:
+            axis.axhline(
+                reference, color=colour("parent"), linestyle="--", label=f"GQA-3 before pooling ({reference:.1f})"
+            )
+        axis.set(
+            xlabel="uptraining tokens (thousands)",
+            ylabel="held-out perplexity (per token, SOTU 2011-2021)",
+            yscale="log",
+            title="SmolLM2-135M: GQA-3 -> MQA, uptrained",
         )
-    if reference is not None:
-        axis.axhline(reference, color="black", linestyle="--", label=f"GQA-3 before pooling ({reference:.1f})")
-    axis.set(
-        xlabel="uptraining tokens",
-        ylabel="held-out perplexity (SOTU 2011-2021)",
-        yscale="log",
-        title="SmolLM2-135M: GQA-3 -> MQA, uptrained",
-    )
-    axis.legend()
-    axis.grid(True, which="both", alpha=0.3)
-    save_figure(figure, path)
+        axis.legend()
+        save_figure(figure, path)
     return True
 
 
+def smollm2_figures(result: dict) -> dict:
+    """recovery.png from results.json's contents (`{"setup", "gqa", "runs"}`), for a run and `--replot`."""
+    reference = result["gqa"]["held_out_perplexity"]
+    return {"recovery.png": lambda path: plot_recovery(result["runs"], path, reference=reference)}
+
+
 BENCHMARKS = {
-    "uptrain": Benchmark(UptrainingSetup, run_experiment),
-    "uptrain-smollm2": Benchmark(SmolLM2Setup, run_smollm2),
+    "uptrain": Benchmark(UptrainingSetup, run_experiment, figures=uptraining_figures, results="results"),
+    "uptrain-smollm2": Benchmark(SmolLM2Setup, run_smollm2, figures=smollm2_figures, results="results"),
 }
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..models import VARIANTS
-from .plotting import headless_pyplot, save_figure
+from .plotting import headless_pyplot, house_style, save_figure
 
 
 def attention_map(model, tokenizer, text: str, layer: int = 0, head: int = 0) -> tuple[list[str], torch.Tensor]:
@@ -58,16 +58,20 @@ def plot_attention(model, tokenizer, text: str, layer: int = 0, head: int = 0, p
     tokens, weights = attention_map(model, tokenizer, text, layer, head)
     labels = [repr(token)[1:-1] or "␣" for token in tokens]  # visible whitespace and control characters
     size = min(4 + 0.3 * len(tokens), 24)
-    figure, axis = plt.subplots(figsize=(size + 1.5, size))
-    image = axis.imshow(weights.numpy(), cmap="viridis", vmin=0.0)
-    axis.set_xticks(range(len(labels)), labels, rotation=90, fontsize=8)
-    axis.set_yticks(range(len(labels)), labels, fontsize=8)
-    axis.set(
-        xlabel="key (attended to)", ylabel="query", title=f"{model.config.model_type}: layer {layer}, head {head}"
-    )
-    figure.colorbar(image, ax=axis, fraction=0.046, pad=0.04, label="attention weight")
-    if path is not None:
-        save_figure(figure, path, dpi=120)
-    else:
-        figure.tight_layout()
+    with house_style():
+        figure, axis = plt.subplots(figsize=(size + 1.5, size))
+        image = axis.imshow(weights.numpy(), cmap="viridis", vmin=0.0)
+        axis.grid(False)  # a grid over a heatmap hides cells
+        axis.set_xticks(range(len(labels)), labels, rotation=90)
+        axis.set_yticks(range(len(labels)), labels)
+        axis.set(
+            xlabel="key (token attended to)",
+            ylabel="query (token)",
+            title=f"{model.config.model_type}: layer {layer}, head {head}",
+        )
+        figure.colorbar(image, ax=axis, fraction=0.046, pad=0.04, label="attention weight (probability)")
+        if path is not None:
+            save_figure(figure, path, dpi=120)
+        else:
+            figure.tight_layout()
     return figure
