@@ -3,6 +3,7 @@
 
     python3 dev.py test [pytest arguments]    the test suite (what CI runs, through .ci/run)
     python3 dev.py demo [demo options]        the main job (`hf-attn-zoo demo --help` lists the options)
+    python3 dev.py docs [--serve]             the documentation site, built strictly into site/ (or served locally)
 
 Set-up: a virtual environment in .venv with the package installed in editable mode with its [dev] extra, torch pinned
 by constraints.txt. It is redone only when pyproject.toml or constraints.txt change.
@@ -60,8 +61,17 @@ def set_up() -> None:
     STAMP.write_text(fingerprint)
 
 
+def docs(rest: list[str], env: dict[str, str]) -> int:
+    """`mkdocs build --strict` into site/, or `mkdocs serve` with `--serve` (other arguments go to mkdocs)."""
+    mkdocs = [str(PYTHON), "-m", "mkdocs"]
+    if "--serve" in rest:
+        rest = [arg for arg in rest if arg != "--serve"]
+        return subprocess.call([*mkdocs, "serve", "--strict", *rest], cwd=ROOT, env=env)
+    return subprocess.call([*mkdocs, "build", "--strict", "--site-dir", str(ROOT / "site"), *rest], cwd=ROOT, env=env)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("test", "demo"):
+    if not argv or argv[0] not in ("test", "demo", "docs"):
         print(__doc__)
         return 2
     set_up()
@@ -69,6 +79,9 @@ def main(argv: list[str]) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if command == "test":
         return subprocess.call([str(PYTHON), "-m", "pytest", *rest], cwd=ROOT, env=env)
+    if command == "docs":
+        # mkdocs-material asks its users to consider a successor on every build; the build log should show the site
+        return docs(rest, {**env, "NO_MKDOCS_2_WARNING": "1"})
     return subprocess.call([str(BIN / "hf-attn-zoo"), "demo", *rest], cwd=ROOT, env=env)
 
 

@@ -1,4 +1,5 @@
-"""README's "Works with" table is what the client tests recorded (`python tests/works_with.py` rewrites both)."""
+"""The documentation's "Works with" table (docs/integrations.md) is what the client tests recorded
+(`python tests/works_with.py` rewrites both)."""
 
 import json
 
@@ -10,9 +11,9 @@ from conftest import CONFORMANCE
 RESULTS = json.loads(works_with.RESULTS.read_text())
 
 
-def test_readme_table_is_rendered_from_the_recorded_results():
-    assert works_with.readme_table(works_with.README.read_text()) == works_with.render(RESULTS), (
-        "README's table is not the recorded results; run `python tests/works_with.py --render`"
+def test_the_page_table_is_rendered_from_the_recorded_results():
+    assert works_with.page_table(works_with.PAGE.read_text()) == works_with.render(RESULTS), (
+        "docs/integrations.md's table is not the recorded results; run `python tests/works_with.py --render`"
     )
 
 

@@ -1,9 +1,9 @@
-"""README's "Works with" table: which clients that transformers users bring run on which variant, as the client tests
-found it. Nothing in the table is written by hand.
+"""The "Works with" table of the documentation (docs/integrations.md): which clients that transformers users bring
+run on which variant, as the client tests found it. Nothing in the table is written by hand.
 
     python tests/works_with.py [FILES]    run the client tests (FILES, default all of them; slow ones included), then
-                                          update works_with.json (the clients they recorded) and README's table
-    python tests/works_with.py --render   rewrite README's table from works_with.json alone
+                                          update works_with.json (the clients they recorded) and the page's table
+    python tests/works_with.py --render   rewrite the page's table from works_with.json alone
 
 A client test calls the `works_with` fixture (conftest.py) once it has checked a variant: `works_with(client,
 variant)` when the real client gave the variant's own results, `works_with(client, variant, refused=reason)` when the
@@ -20,7 +20,7 @@ from pathlib import Path
 from hf_attn_zoo.models.clients_zoo import INSTEAD
 
 TESTS = Path(__file__).resolve().parent
-README = TESTS.parent / "README.md"
+PAGE = TESTS.parent / "docs" / "integrations.md"  # the "Works with" section
 RESULTS = TESTS / "works_with.json"
 START, END = "<!-- works-with:start -->", "<!-- works-with:end -->"
 
@@ -61,18 +61,18 @@ def render(results: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def readme_table(readme: str) -> str:
-    """The table between the markers in README.md."""
-    if START not in readme or END not in readme:
-        raise ValueError(f"README.md has no {START} ... {END} section for the table")
-    return readme.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+def page_table(page: str) -> str:
+    """The table between the markers of the page."""
+    if START not in page or END not in page:
+        raise ValueError(f"{PAGE.name} has no {START} ... {END} section for the table")
+    return page.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
-def write_readme(results: dict[str, dict[str, str]]) -> None:
-    readme = README.read_text()
-    before, rest = readme.split(START, 1)
+def write_page(results: dict[str, dict[str, str]]) -> None:
+    page = PAGE.read_text()
+    before, rest = page.split(START, 1)
     after = rest.split(END, 1)[1]
-    README.write_text(f"{before}{START}\n{render(results)}{END}{after}")
+    PAGE.write_text(f"{before}{START}\n{render(results)}{END}{after}")
 
 
 def main(argv: list[str]) -> int:
@@ -88,8 +88,8 @@ def main(argv: list[str]) -> int:
             # a client's column is replaced whole, so it never mixes two runs
             results.update(json.loads(recorded.read_text()))
         RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    write_readme(results)
-    print(f"wrote {RESULTS.relative_to(TESTS.parent)} and the table in README.md")
+    write_page(results)
+    print(f"wrote {RESULTS.relative_to(TESTS.parent)} and the table in {PAGE.relative_to(TESTS.parent)}")
     return 0
 
 
