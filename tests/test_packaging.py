@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from hf_attn_zoo.models import VARIANTS
+from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,8 @@ FROM_THE_WHEEL = textwrap.dedent(
 
     import hf_attn_zoo
     from hf_attn_zoo_cli import main
-    from hf_attn_zoo.models import VARIANTS
+    from hf_attn_zoo.evaluation import TRANSLATION
+    from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
 
     site, recipe = Path(sys.argv[1]), sys.argv[2]
     assert Path(hf_attn_zoo.__file__).is_relative_to(site), hf_attn_zoo.__file__  # the wheel's copy, not the repo
@@ -31,6 +32,13 @@ FROM_THE_WHEEL = textwrap.dedent(
             with torch.device("meta"):  # shapes only: every preset builds
                 model = variant.causal_lm_class(variant.config(size, vocab_size=512))
             built.append(f"{name}/{size}:{sum(p.numel() for p in model.parameters())}")
+    for name, entry in SEQ2SEQ.items():
+        for size in entry.presets:
+            with torch.device("meta"):
+                model = entry.generation_class(entry.config(size, vocab_size=512))
+            built.append(f"{name}/{size}:{sum(p.numel() for p in model.parameters())}")
+    # the translation metric's module is package data, loaded by path
+    assert Path(TRANSLATION).is_relative_to(site) and (Path(TRANSLATION) / "zoo_translation.py").is_file()
     assert main(["train", recipe]) == 0
     print(json.dumps({"built": built}))
     """
@@ -82,7 +90,8 @@ def test_a_wheel_builds_every_preset_and_trains_from_a_preset_recipe(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     built = json.loads(result.stdout.strip().splitlines()[-1])["built"]
-    assert len(built) == 3 * len(VARIANTS)  # every preset of every variant
+    # every preset of every variant and of every sequence-to-sequence model
+    assert len(built) == 3 * len(VARIANTS) + sum(len(entry.presets) for entry in SEQ2SEQ.values())
     assert json.loads((tmp_path / "run" / "training_summary.json").read_text())["steps"] == 2
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 

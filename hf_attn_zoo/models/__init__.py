@@ -5,6 +5,10 @@ causal LM and task heads with transformers' Auto classes and for `trust_remote_c
 `ZooVariant` record to `VARIANTS`: everything the package asks about a variant (presets, paper, backends, cache, LoRA
 targets, family, how to build it) is read off its classes there, so no other module keeps a table of variants.
 
+Sequence-to-sequence models join `SEQ2SEQ` instead, with `register_seq2seq(ForConditionalGenerationClass)`: they
+are registered with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM` the same way, but stay out of `VARIANTS`,
+whose entries are decoder-only variants (the decoder conformance suite runs over every one of them).
+
 The other modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
 else from the package; this file is the only one that is not copied.
 """
@@ -12,9 +16,9 @@ else from the package; this file is the only one that is not copied.
 from dataclasses import dataclass
 
 import transformers
-from transformers import AutoConfig, AutoModel
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
-from . import additive, aft, differential, linformer, mha, mla, sliding_window, topk
+from . import additive, aft, differential, linformer, mha, mla, rnn, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .heads_zoo import ZooForCausalLM
 from .modeling_zoo import ZooAttention, ZooMLP, ZooModel, ZooPreTrainedModel
@@ -150,6 +154,74 @@ register_variant(differential.ZooDifferentialForCausalLM)
 register_variant(mla.ZooMLAForCausalLM)
 
 
+@dataclass(frozen=True)
+class ZooSeq2SeqModel:
+    """One registered sequence-to-sequence model: a name and its conditional-generation class (the one
+    `AutoModelForSeq2SeqLM` builds); every other fact is read off its classes."""
+
+    name: str
+    generation_class: type
+
+    @property
+    def model_class(self) -> type:
+        return self.generation_class.model_class
+
+    @property
+    def config_class(self) -> type:
+        return self.generation_class.config_class
+
+    @property
+    def model_type(self) -> str:
+        return self.config_class.model_type
+
+    @property
+    def description(self) -> str:
+        return self.config_class.description
+
+    @property
+    def paper(self) -> str:
+        return self.config_class.paper
+
+    @property
+    def arxiv(self) -> tuple[str, ...]:
+        return self.config_class.arxiv
+
+    @property
+    def presets(self) -> dict[str, dict]:
+        return {size: dict(fields) for size, fields in self.config_class.presets.items()}
+
+    def config(self, size: str | None = None, **fields):
+        """A config of this model: preset `size` if given, with `fields` on top."""
+        return self.config_class(**{**(self.config_class.preset(size) if size else {}), **fields})
+
+    def build(self, size: str | None = None, **fields):
+        """A freshly initialised model of `config(size, **fields)`, ready for `generate()`."""
+        return self.generation_class(self.config(size, **fields))
+
+
+SEQ2SEQ: dict[str, ZooSeq2SeqModel] = {}
+
+
+def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
+    """Add a sequence-to-sequence model to `SEQ2SEQ` under its model type without `zoo_` (`zoo_rnn` -> `rnn`),
+    register its config, base model (`generation_class.model_class`) and itself with `AutoConfig`, `AutoModel` and
+    `AutoModelForSeq2SeqLM`, and mark them for `trust_remote_code` saving."""
+    entry = ZooSeq2SeqModel(generation_class.config_class.model_type.removeprefix("zoo_"), generation_class)
+    if entry.name in SEQ2SEQ or entry.name in VARIANTS:
+        raise ValueError(f"model {entry.name!r} is already registered")
+    AutoConfig.register(entry.model_type, entry.config_class, exist_ok=True)
+    entry.config_class.register_for_auto_class()
+    AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
+    entry.model_class.register_for_auto_class("AutoModel")
+    AutoModelForSeq2SeqLM.register(entry.config_class, generation_class, exist_ok=True)
+    generation_class.register_for_auto_class("AutoModelForSeq2SeqLM")
+    SEQ2SEQ[entry.name] = entry
+    return entry
+
+
+register_seq2seq(rnn.ZooRNNForConditionalGeneration)
+
+
 def get_variant(name_or_model_type: str) -> ZooVariant:
     """Look a variant up by registry name (`gqa`) or model type (`zoo_gqa`)."""
     for variant in VARIANTS.values():
@@ -160,12 +232,15 @@ def get_variant(name_or_model_type: str) -> ZooVariant:
 
 __all__ = [
     "POSITION_EMBEDDING_TYPES",
+    "SEQ2SEQ",
     "VARIANTS",
     "ZooConfig",
     "ZooForCausalLM",
     "ZooModel",
     "ZooPreTrainedModel",
+    "ZooSeq2SeqModel",
     "ZooVariant",
     "get_variant",
+    "register_seq2seq",
     "register_variant",
 ]
