@@ -31,7 +31,9 @@ Names follow BART/Marian: `model.shared` (one vocabulary for source and target),
 `decoder.encoder_attn` (the cross-attention), `lm_head`, and `shift_tokens_right` for labels.
 
 This module is copied next to every saved checkpoint (remote code), so it imports only torch, transformers and its
-sibling modules.
+sibling modules. It is longer than the project's ~600-line guide because it is one whole model read top to bottom
+(config, encoder, the two attentions, decoder, cache, heads), as every variant is one file: it shares no backbone
+with the Transformer models that a split would let it import.
 """
 
 import inspect
