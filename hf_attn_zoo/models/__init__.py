@@ -16,7 +16,7 @@ else from the package; this file is the only one that is not copied.
 from dataclasses import dataclass
 
 import transformers
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
+from transformers import AutoConfig, PretrainedConfig
 
 from . import additive, aft, differential, linformer, mha, mla, rnn, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
@@ -24,8 +24,42 @@ from .heads_zoo import ZooForCausalLM
 from .modeling_zoo import ZooAttention, ZooMLP, ZooModel, ZooPreTrainedModel
 
 
+class RegisteredModel:
+    """What a registry entry reads off its config class, alike for decoder variants and sequence-to-sequence models:
+    the subclasses say where `config_class` comes from."""
+
+    config_class: type[PretrainedConfig]
+
+    @property
+    def model_type(self) -> str:
+        return self.config_class.model_type
+
+    @property
+    def description(self) -> str:
+        return self.config_class.description
+
+    @property
+    def paper(self) -> str:
+        return self.config_class.paper
+
+    @property
+    def arxiv(self) -> tuple[str, ...]:
+        return self.config_class.arxiv
+
+    @property
+    def presets(self) -> dict[str, dict]:
+        return {size: dict(fields) for size, fields in self.config_class.presets.items()}
+
+    def preset(self, size: str) -> dict:
+        return self.config_class.preset(size)
+
+    def config(self, size: str | None = None, **fields) -> PretrainedConfig:
+        """A config of this model: preset `size` (tiny, small, base) if given, with `fields` on top."""
+        return self.config_class(**{**(self.preset(size) if size else {}), **fields})
+
+
 @dataclass(frozen=True)
-class ZooVariant:
+class ZooVariant(RegisteredModel):
     """One registered variant: a name and its causal-LM class; every other fact is read off its classes."""
 
     name: str
@@ -47,10 +81,6 @@ class ZooVariant:
     def heads(self) -> dict[str, type[ZooPreTrainedModel]]:
         """Auto class name -> the variant's class for it: the causal LM and the task heads."""
         return dict(self.model_class.heads)
-
-    @property
-    def model_type(self) -> str:
-        return self.config_class.model_type
 
     @property
     def family(self) -> str:
@@ -79,22 +109,6 @@ class ZooVariant:
         return self.config_class.cache_per_token
 
     @property
-    def description(self) -> str:
-        return self.config_class.description
-
-    @property
-    def paper(self) -> str:
-        return self.config_class.paper
-
-    @property
-    def arxiv(self) -> tuple[str, ...]:
-        return self.config_class.arxiv
-
-    @property
-    def presets(self) -> dict[str, dict]:
-        return {size: dict(fields) for size, fields in self.config_class.presets.items()}
-
-    @property
     def lora_targets(self) -> list[str]:
         """PEFT `target_modules` at the variant's default config: the attention's projections and the MLP's (what
         `"all-linear"` picks too)."""
@@ -103,13 +117,6 @@ class ZooVariant:
     def lora_targets_for(self, config: ZooConfig) -> list[str]:
         """PEFT `target_modules` of a model of `config` (a config can change which projections exist)."""
         return [*self.attention_class.lora_modules(config), *ZooMLP.lora_targets]
-
-    def preset(self, size: str) -> dict:
-        return self.config_class.preset(size)
-
-    def config(self, size: str | None = None, **fields) -> ZooConfig:
-        """A config of this variant: preset `size` (tiny, small, base) if given, with `fields` on top."""
-        return self.config_class(**{**(self.preset(size) if size else {}), **fields})
 
     def build(self, size: str | None = None, *, attn_implementation: str | None = None, **fields) -> ZooForCausalLM:
         """A freshly initialised causal LM of `config(size, **fields)` on `default_backend` unless told otherwise."""
@@ -128,15 +135,20 @@ def register_variant(causal_lm_class: type[ZooForCausalLM]) -> ZooVariant:
     variant = ZooVariant(causal_lm_class.config_class.model_type.removeprefix("zoo_"), causal_lm_class)
     if variant.name in VARIANTS:
         raise ValueError(f"variant {variant.name!r} is already registered")
-    AutoConfig.register(variant.model_type, variant.config_class, exist_ok=True)
-    variant.config_class.register_for_auto_class()
-    AutoModel.register(variant.config_class, variant.model_class, exist_ok=True)
-    variant.model_class.register_for_auto_class("AutoModel")
-    for auto_class, head in variant.heads.items():
-        getattr(transformers, auto_class).register(variant.config_class, head, exist_ok=True)
-        head.register_for_auto_class(auto_class)
+    register_auto_classes(variant, variant.heads)
     VARIANTS[variant.name] = variant
     return variant
+
+
+def register_auto_classes(entry: RegisteredModel, heads: dict[str, type]) -> None:
+    """Register `entry`'s config with `AutoConfig`, its base model with `AutoModel` and each of `heads` (Auto class
+    name -> class) with that Auto class, and mark them all for `trust_remote_code` saving (`register_for_auto_class`:
+    `save_pretrained` then copies their code beside the weights and lists them in `auto_map`)."""
+    AutoConfig.register(entry.model_type, entry.config_class, exist_ok=True)
+    entry.config_class.register_for_auto_class()
+    for auto_class, model_class in {"AutoModel": entry.model_class, **heads}.items():
+        getattr(transformers, auto_class).register(entry.config_class, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_class)
 
 
 register_variant(mha.ZooMHAForCausalLM)
@@ -155,7 +167,7 @@ register_variant(mla.ZooMLAForCausalLM)
 
 
 @dataclass(frozen=True)
-class ZooSeq2SeqModel:
+class ZooSeq2SeqModel(RegisteredModel):
     """One registered sequence-to-sequence model: a name and its conditional-generation class (the one
     `AutoModelForSeq2SeqLM` builds); every other fact is read off its classes."""
 
@@ -169,30 +181,6 @@ class ZooSeq2SeqModel:
     @property
     def config_class(self) -> type:
         return self.generation_class.config_class
-
-    @property
-    def model_type(self) -> str:
-        return self.config_class.model_type
-
-    @property
-    def description(self) -> str:
-        return self.config_class.description
-
-    @property
-    def paper(self) -> str:
-        return self.config_class.paper
-
-    @property
-    def arxiv(self) -> tuple[str, ...]:
-        return self.config_class.arxiv
-
-    @property
-    def presets(self) -> dict[str, dict]:
-        return {size: dict(fields) for size, fields in self.config_class.presets.items()}
-
-    def config(self, size: str | None = None, **fields):
-        """A config of this model: preset `size` if given, with `fields` on top."""
-        return self.config_class(**{**(self.config_class.preset(size) if size else {}), **fields})
 
     def build(self, size: str | None = None, **fields):
         """A freshly initialised model of `config(size, **fields)`, ready for `generate()`."""
@@ -209,12 +197,7 @@ def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
     entry = ZooSeq2SeqModel(generation_class.config_class.model_type.removeprefix("zoo_"), generation_class)
     if entry.name in SEQ2SEQ or entry.name in VARIANTS:
         raise ValueError(f"model {entry.name!r} is already registered")
-    AutoConfig.register(entry.model_type, entry.config_class, exist_ok=True)
-    entry.config_class.register_for_auto_class()
-    AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
-    entry.model_class.register_for_auto_class("AutoModel")
-    AutoModelForSeq2SeqLM.register(entry.config_class, generation_class, exist_ok=True)
-    generation_class.register_for_auto_class("AutoModelForSeq2SeqLM")
+    register_auto_classes(entry, {"AutoModelForSeq2SeqLM": generation_class})
     SEQ2SEQ[entry.name] = entry
     return entry
 
