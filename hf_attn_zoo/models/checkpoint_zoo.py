@@ -2,8 +2,9 @@
 
 - `auto_map_for`: transformers writes only the saved class into `auto_map`; a zoo checkpoint names its config, base
   model and every head, so it loads with `trust_remote_code=True` through any of the Auto classes.
-- `CheckpointMismatchError` / `describe_mismatch`: a tensor whose shape differs from what the config builds is
-  reported with the config fields that size it, as declared by the module that owns the tensor (`sized_by`).
+- `ShapeCheckedLoading` (`CheckpointMismatchError`, `describe_mismatch`): a tensor whose shape differs from what the
+  config builds is reported with the config fields that size it, as declared by the module that owns the tensor
+  (`sized_by`).
 
 This module travels with every checkpoint (remote code): it imports only torch.
 """
@@ -57,3 +58,32 @@ def describe_mismatch(source, model: nn.Module, mismatched: list) -> str:
         "tensors that do not fit afresh."
     )
     return "\n".join(lines)
+
+
+class ShapeCheckedLoading:
+    """Mixed into a `PreTrainedModel` before it: `from_pretrained` with a clearer error for weights whose shape does
+    not fit the config."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, with a clearer error for weights whose shape does not fit the config.
+
+        As in transformers, missing and unexpected tensors are reported (a warning, and `output_loading_info=True`)
+        and missing ones are initialised by `_init_weights`: a base-model checkpoint loads into the causal LM. A
+        tensor whose shape differs from what the config builds is an error naming the tensor and the config fields
+        that size it, unless `ignore_mismatched_sizes=True` (then it is initialised afresh, as transformers does).
+        """
+        accept_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
+        return_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path,
+            *model_args,
+            ignore_mismatched_sizes=True,  # loaded to build the message below; refused unless asked for
+            output_loading_info=True,
+            **kwargs,
+        )
+        if info["mismatched_keys"] and not accept_mismatch:
+            raise CheckpointMismatchError(
+                describe_mismatch(pretrained_model_name_or_path, model, info["mismatched_keys"])
+            )
+        return (model, info) if return_info else model

@@ -43,7 +43,22 @@ def sized(**fields: tuple) -> dict[str, dict]:
     }
 
 
-class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback before 5.4: compat_zoo)
+class PresetConfig:
+    """Named sizes of a config class (`presets`: size -> fields), for every zoo model, decoder or translator."""
+
+    presets: ClassVar[dict[str, dict]] = {}
+
+    @classmethod
+    def preset(cls, size: str) -> dict:
+        """The config fields of preset `size` (a copy, to be updated freely)."""
+        if size not in cls.presets:
+            raise ValueError(
+                f"size={size!r} is not a preset of {cls.model_type}; choose one of {sorted(cls.presets)}."
+            )
+        return dict(cls.presets[size])
+
+
+class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig (a fallback before 5.4: compat_zoo)
     r"""
     Base configuration of the zoo decoder backbone: a pre-norm transformer whose attention is chosen by the variant.
 
@@ -148,15 +163,6 @@ class ZooConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback be
     def variant_name(self) -> str:
         """The registry name of the variant (`gqa` for `zoo_gqa`)."""
         return self.model_type.removeprefix("zoo_")
-
-    @classmethod
-    def preset(cls, size: str) -> dict:
-        """The config fields of preset `size` (a copy, to be updated freely)."""
-        if size not in cls.presets:
-            raise ValueError(
-                f"size={size!r} is not a preset of {cls.model_type}; choose one of {sorted(cls.presets)}."
-            )
-        return dict(cls.presets[size])
 
     def validate(self) -> None:
         """Run transformers' own checks, then the zoo's; raises `ValueError` naming the field and the fix."""

@@ -42,7 +42,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
-from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
+from .checkpoint_zoo import ShapeCheckedLoading, auto_map_for
 from .clients_zoo import attribute_refusal, cache_refusal
 from .compat_zoo import (
     CACHE_KWARG,
@@ -309,7 +309,7 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout else x
 
 
-class ZooPreTrainedModel(PreTrainedModel):
+class ZooPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
     config: ZooConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -349,30 +349,6 @@ class ZooPreTrainedModel(PreTrainedModel):
         if getattr(module, "writes_residual", False) and self.config.scale_residual_init:
             std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
             init.normal_(module.weight, mean=0.0, std=std)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`, with a clearer error for weights whose shape does not fit the config.
-
-        As in transformers, missing and unexpected tensors are reported (a warning, and `output_loading_info=True`)
-        and missing ones are initialised by `_init_weights`: a base-model checkpoint loads into the causal LM. A
-        tensor whose shape differs from what the config builds is an error naming the tensor and the config fields
-        that size it, unless `ignore_mismatched_sizes=True` (then it is initialised afresh, as transformers does).
-        """
-        accept_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
-        return_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path,
-            *model_args,
-            ignore_mismatched_sizes=True,  # loaded to build the message below; refused unless asked for
-            output_loading_info=True,
-            **kwargs,
-        )
-        if info["mismatched_keys"] and not accept_mismatch:
-            raise CheckpointMismatchError(
-                describe_mismatch(pretrained_model_name_or_path, model, info["mismatched_keys"])
-            )
-        return (model, info) if return_info else model
 
     card_details: dict | None = None  # training details for the model card (set by a training run)
 

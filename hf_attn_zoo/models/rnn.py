@@ -52,15 +52,16 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
 from .cache_zoo import ZooStateCache
-from .checkpoint_zoo import CheckpointMismatchError, auto_map_for, describe_mismatch
+from .checkpoint_zoo import ShapeCheckedLoading, auto_map_for
 from .compat_zoo import CACHE_KWARG, ZooConfigBase, takes_past_key_values
+from .configuration_zoo import PresetConfig
 
 CELLS = ("gru", "lstm")
 ATTENTIONS = ("bahdanau", "luong", "none")
 RNN_CLASSES = {"gru": nn.GRU, "lstm": nn.LSTM}
 
 
-class ZooRNNConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback before 5.4: compat_zoo)
+class ZooRNNConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig (a fallback before 5.4: compat_zoo)
     r"""
     Configuration of the RNN encoder-decoder translator (`zoo_rnn`).
 
@@ -127,15 +128,6 @@ class ZooRNNConfig(ZooConfigBase):  # transformers' PreTrainedConfig (a fallback
         super().__post_init__(**kwargs)
         self.is_encoder_decoder = True  # what the model is, whatever the base class's defaults say
         self.validate()
-
-    @classmethod
-    def preset(cls, size: str) -> dict:
-        """The config fields of preset `size` (a copy, to be updated freely)."""
-        if size not in cls.presets:
-            raise ValueError(
-                f"size={size!r} is not a preset of {cls.model_type}; choose one of {sorted(cls.presets)}."
-            )
-        return dict(cls.presets[size])
 
     @property
     def encoder_output_size(self) -> int:
@@ -454,7 +446,7 @@ class ZooRNNDecoder(nn.Module):
         return hidden, (weights if output_attentions else None), inputs_embeds
 
 
-class ZooRNNPreTrainedModel(PreTrainedModel):
+class ZooRNNPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
     config_class = ZooRNNConfig
     config: ZooRNNConfig
     base_model_prefix = "model"
@@ -480,25 +472,6 @@ class ZooRNNPreTrainedModel(PreTrainedModel):
     def make_cache(self) -> ZooRNNCache:
         """An empty decoding cache; the first forward fills it."""
         return ZooRNNCache()
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """`PreTrainedModel.from_pretrained`; weights whose shape does not fit the config raise an error naming each
-        tensor and the config fields that size it, unless `ignore_mismatched_sizes=True`."""
-        accept_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
-        return_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(
-            pretrained_model_name_or_path,
-            *model_args,
-            ignore_mismatched_sizes=True,  # loaded to build the message below; refused unless asked for
-            output_loading_info=True,
-            **kwargs,
-        )
-        if info["mismatched_keys"] and not accept_mismatch:
-            raise CheckpointMismatchError(
-                describe_mismatch(pretrained_model_name_or_path, model, info["mismatched_keys"])
-            )
-        return (model, info) if return_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained` with an `auto_map` naming the config, the base model and the translator,
