@@ -3,8 +3,10 @@
     hf-attn-zoo list                      the registered variants
     hf-attn-zoo train CONFIG [overrides]  train from a YAML recipe (configs/train/*.yaml), `--training.max_steps 100`
     hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
+    hf-attn-zoo translate-eval MODEL --data PAIRS... [--num_beams 4]   BLEU, chrF and the references' perplexity
     hf-attn-zoo lm-eval-task --data FILE... --out DIR   an lm-evaluation-harness task over local files
-    hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap
+    hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap (a
+                                          translator: its cross-attention over the source, per head)
     hf-attn-zoo convert SRC OUT --to gqa|mqa [--num_key_value_heads G] [--method mean]   pool key/value heads
     hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
     hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
@@ -123,6 +125,27 @@ class EvalOptions:
 
 
 @dataclass
+class TranslateEvalOptions:
+    model: str = positional(
+        "sequence-to-sequence checkpoint folder or Hub name (hf-attn-zoo train, model.task seq2seq)"
+    )
+    data: list[str] = field(metadata={"help": "pair files (.tsv, .csv, .jsonl) with a source and a target column"})
+    source_field: str = field(default="source", metadata={"help": "source column (or key of a translation column)"})
+    target_field: str = field(default="target", metadata={"help": "target (reference) column"})
+    num_beams: int = field(default=1, metadata={"help": "1: greedy; more: beam search"})
+    max_new_tokens: int | None = field(
+        default=None, metadata={"help": "longest translation (default: the checkpoint's generation config)"}
+    )
+    max_source_length: int | None = field(
+        default=None, metadata={"help": "refuse sources over this many tokens (the encoder's positions always)"}
+    )
+    batch_size: int = field(default=16, metadata={"help": "pairs per generate() call"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
+    json: bool = field(default=False, metadata={"help": "print one JSON object"})
+    out: Path | None = field(default=None, metadata={"help": "also write the scores and the translations as JSON"})
+
+
+@dataclass
 class LmEvalTaskOptions:
     data: list[str] = field(metadata={"help": "text files or directories (one document per file)"})
     out: Path = field(metadata={"help": "folder for the task (lm_eval's --include_path)"})
@@ -136,7 +159,10 @@ class AttentionOptions:
     text: str = positional("the text to attend over")
     out: Path = field(default=Path("attention.png"), metadata={"help": "image file to write"})
     layer: int = field(default=0, metadata={"help": "layer index (negative counts from the end)"})
-    head: int = field(default=0, metadata={"help": "query head index"})
+    head: int | None = field(
+        default=None,
+        metadata={"help": "query head index (default: 0 for a language model, every head for a translator)"},
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
 
 
@@ -230,13 +256,18 @@ COMMANDS = {
         "hf_attn_zoo.cli:evaluate_command",
         EvalOptions,
     ),
+    "translate-eval": Command(
+        "BLEU and chrF (greedy or beam search) and the references' perplexity of a translator on pairs",
+        "hf_attn_zoo.cli:translate_eval_command",
+        TranslateEvalOptions,
+    ),
     "lm-eval-task": Command(
         "write an lm-evaluation-harness task scoring local text files, and print the lm_eval command",
         "hf_attn_zoo.cli:lm_eval_task_command",
         LmEvalTaskOptions,
     ),
     "attention": Command(
-        "draw one head's attention weights over a text as a heatmap (tokens on both axes)",
+        "draw one head's attention weights over a text as a heatmap (a translator: its cross-attention, per head)",
         "hf_attn_zoo.cli:attention_command",
         AttentionOptions,
     ),

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         LmEvalTaskOptions,
         PushOptions,
         ServeOptions,
+        TranslateEvalOptions,
     )
 
 # list
@@ -84,6 +85,11 @@ def evaluate_command(options: EvalOptions) -> dict:
     check_model_folder(source, gguf_file=options.gguf_file)
     gguf = {"gguf_file": options.gguf_file} if options.gguf_file else {}
     config = from_pretrained(AutoConfig, source, trust_remote_code=options.trust_remote_code, **gguf)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UserError(
+            f"{options.model} is an encoder-decoder translator ({config.model_type}), not a language model of text: "
+            f"score it on pairs with hf-attn-zoo translate-eval {options.model} --data PAIRS."
+        )
     window_lengths(config, options.max_length, options.stride, notice=False)  # score_texts prints the notice
     model, tokenizer = load_for_scoring(source, options.trust_remote_code, options.gguf_file)
     result = score_texts(
@@ -104,6 +110,46 @@ def evaluate_command(options: EvalOptions) -> dict:
     return result
 
 
+# translate-eval
+
+
+def translate_eval_command(options: TranslateEvalOptions) -> dict:
+    from .data import expand_files
+    from .evaluation.translation import (
+        check_source_lengths,
+        encoder_positions,
+        load_translator,
+        score_translation,
+    )
+    from .pairs import read_pair_files
+
+    pairs = read_pair_files(
+        expand_files(options.data, "--data"), options.source_field, options.target_field, "--data", fix="--"
+    )
+    model, tokenizer = load_translator(options.model, "translate-eval", options.trust_remote_code)
+    sources, targets = list(pairs["source"]), list(pairs["target"])
+    positions = encoder_positions(model.config)
+    if options.max_source_length is not None:
+        check_source_lengths(tokenizer, sources, options.max_source_length, options.model, "--max_source_length")
+    check_source_lengths(tokenizer, sources, positions, options.model, "the encoder's max_position_embeddings")
+    result = score_translation(
+        model, tokenizer, sources, targets, options.num_beams, options.max_new_tokens, options.batch_size
+    )
+    if options.out is not None:
+        options.out.write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    if options.json:
+        print(json.dumps({key: value for key, value in result.items() if key != "translations"}))
+    else:
+        search = "greedy" if options.num_beams == 1 else f"beam search ({options.num_beams} beams)"
+        print(f"{options.model} on {result['pairs']} pair(s), {search}:")
+        print("| metric | value |\n| --- | ---: |")
+        for key in ("bleu", "chrf", "reference_perplexity", "reference_tokens"):
+            value = result[key]
+            print(f"| {key} | {value:,.4f} |" if isinstance(value, float) else f"| {key} | {value:,} |")
+        print(result["bleu_signature"])
+    return result
+
+
 # lm-eval-task
 
 
@@ -119,15 +165,28 @@ def lm_eval_task_command(options: LmEvalTaskOptions) -> None:
 
 
 def attention_command(options: AttentionOptions) -> None:
-    from .evaluation.attention_maps import plot_attention
+    from .evaluation.attention_maps import plot_attention, plot_cross_attention
     from .loading import load_model_and_tokenizer
 
+    config_path = Path(options.checkpoint).expanduser() / "config.json"
+    if config_path.is_file() and json.loads(config_path.read_text()).get("is_encoder_decoder"):
+        from .evaluation.translation import load_translator
+
+        model, tokenizer = load_translator(options.checkpoint, "attention", options.trust_remote_code)
+        try:
+            plot_cross_attention(model, tokenizer, options.text, options.layer, options.head, options.out)
+        except ValueError as error:  # a layer or head out of range, a model without cross-attention weights
+            raise UserError(f"{options.checkpoint}: {error}") from error
+        heads = "every head" if options.head is None else f"head {options.head}"
+        print(f"cross-attention of layer {options.layer}, {heads}, of {options.checkpoint} written to {options.out}")
+        return
     model, tokenizer = load_model_and_tokenizer(options.checkpoint, trust_remote_code=options.trust_remote_code)
+    head = 0 if options.head is None else options.head
     try:
-        plot_attention(model.eval(), tokenizer, options.text, options.layer, options.head, options.out)
+        plot_attention(model.eval(), tokenizer, options.text, options.layer, head, options.out)
     except ValueError as error:  # a layer or head out of range, a variant without weights: named by attention_map
         raise UserError(f"{options.checkpoint}: {error}") from error
-    print(f"layer {options.layer}, head {options.head} of {options.checkpoint} written to {options.out}")
+    print(f"layer {options.layer}, head {head} of {options.checkpoint} written to {options.out}")
 
 
 # convert

@@ -95,6 +95,34 @@ class DataArguments:
     )
     num_proc: int | None = field(default=None, metadata={"help": "processes for tokenization (default: one)"})
     seed: int = field(default=0, metadata={"help": "seed of the train/validation split"})
+    # pairs, for sequence-to-sequence training (hf_attn_zoo.pairs)
+    source_field: str = field(
+        default="source", metadata={"help": "source column of pair files and datasets (or key of `translation`)"}
+    )
+    target_field: str = field(
+        default="target", metadata={"help": "target column of pair files and datasets (or key of `translation`)"}
+    )
+    max_source_length: int = field(default=128, metadata={"help": "tokens of a source, EOS included"})
+    max_target_length: int = field(default=128, metadata={"help": "tokens of a target, EOS included"})
+    long_pairs: str = field(
+        default="refuse",
+        metadata={"help": "a pair over the lengths above: refuse (an error naming it), drop, truncate"},
+    )
+    split_by: str | None = field(
+        default=None, metadata={"help": "column whose groups split the pairs (a book), instead of a random split"}
+    )
+    split_pattern: str | None = field(
+        default=None,
+        metadata={"help": "regular expression whose first group is the group of a split_by value; empty: the value"},
+    )
+    validation_groups: list[str] = field(default_factory=list, metadata={"help": "split_by groups to validate on"})
+    test_groups: list[str] = field(
+        default_factory=list, metadata={"help": "split_by groups held out of training and validation (a test set)"}
+    )
+
+    @property
+    def pair_fields(self) -> tuple[str, str]:
+        return self.source_field, self.target_field
 
     def __post_init__(self):
         if not 0 < self.validation_fraction < 1:
@@ -103,6 +131,15 @@ class DataArguments:
             raise UserError(f"data.block_size must be at least 2, got {self.block_size}.")
         if self.packing not in PACKING:
             raise UserError(f"data.packing={self.packing!r} is not one of {list(PACKING)}.")
+        for name in ("max_source_length", "max_target_length"):
+            if getattr(self, name) < 2:
+                raise UserError(f"data.{name} must be at least 2 (a token and EOS), got {getattr(self, name)}.")
+        if self.long_pairs not in ("refuse", "drop", "truncate"):
+            raise UserError(f"data.long_pairs={self.long_pairs!r} is not one of ['refuse', 'drop', 'truncate'].")
+        if (self.validation_groups or self.test_groups or self.split_pattern) and not self.split_by:
+            raise UserError(
+                "data.validation_groups, test_groups and split_pattern need data.split_by: set the column."
+            )
         if self.tokenizer is None and self.vocab_size < 258:
             raise UserError(f"data.vocab_size must be >= 258 (256 bytes + 2 special tokens), got {self.vocab_size}.")
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.train import load_recipe, run_training
-from hf_attn_zoo.train.build import build_model, training_flops_per_token
+from hf_attn_zoo.train.build import build_model, build_seq2seq_model, training_flops_per_token
 from hf_attn_zoo.train.callbacks import COMPLETE_MARKER, held_training_state
 
 from conftest import free_port, tiny_model
@@ -41,7 +41,11 @@ def test_every_shipped_recipe_loads_and_builds_its_model(recipe, tmp_path):
         overrides += ["--training.requires_gpu", "false", "--training.bf16", "false"]
     model_args, data_args, training_args = load_recipe(recipe, overrides)
     with torch.device("meta"):
-        model = build_model(model_args, FakeTokenizer(data_args.vocab_size), data_args.block_size)
+        if model_args.seq2seq:  # a translator: built from its pairs' shared tokenizer (tests/test_translation.py)
+            model = build_seq2seq_model(model_args, FakeTokenizer(data_args.vocab_size), data_args.max_source_length)
+            assert model.config.is_encoder_decoder and model.config.decoder_start_token_id == data_args.vocab_size - 2
+        else:
+            model = build_model(model_args, FakeTokenizer(data_args.vocab_size), data_args.block_size)
     assert model.config.vocab_size == data_args.vocab_size
     assert training_args.report_to == ["tensorboard"] and training_args.ddp_find_unused_parameters is False
 

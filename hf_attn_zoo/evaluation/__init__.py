@@ -5,7 +5,7 @@ not part of the package."""
 
 from pathlib import Path
 
-from .attention_maps import attention_map, plot_attention
+from .attention_maps import attention_map, cross_attention_map, plot_attention, plot_cross_attention
 from .perplexity import PerplexityResult, score_texts
 
 # `evaluate.load(PERPLEXITY)` loads the shipped module by path: Hub modules cannot be fetched offline.
@@ -13,4 +13,13 @@ PERPLEXITY = str(Path(__file__).resolve().parent / "zoo_perplexity")
 # `evaluate.load(TRANSLATION)`: corpus BLEU and chrF through sacrebleu, loaded by path for the same reason.
 TRANSLATION = str(Path(__file__).resolve().parent / "zoo_translation")
 
-__all__ = ["PERPLEXITY", "TRANSLATION", "PerplexityResult", "attention_map", "plot_attention", "score_texts"]
+__all__ = [
+    "PERPLEXITY",
+    "TRANSLATION",
+    "PerplexityResult",
+    "attention_map",
+    "cross_attention_map",
+    "plot_attention",
+    "plot_cross_attention",
+    "score_texts",
+]

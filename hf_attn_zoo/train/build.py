@@ -1,19 +1,20 @@
-"""The model a run trains: built from a preset or from `init_from` (converted where asked), the uptraining
-arithmetic that turns a fraction of the parent's tokens into steps, parameter counts and training FLOPs per token."""
+"""The model a run trains: built from a preset or from `init_from` (converted where asked; a translator for
+sequence-to-sequence runs), the uptraining arithmetic that turns a fraction of the parent's tokens into steps,
+parameter counts and training FLOPs per token."""
 
 import json
 import math
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from ..convert import from_llama, mha_to_gqa
 from ..convert.calibrated import CALIBRATION_METHODS
 from ..data import tokenizer_fields
 from ..errors import MissingPathError, UserError, one_line
 from ..loading import resolve_source
-from ..models import ZooForCausalLM, get_variant
+from ..models import SEQ2SEQ, VARIANTS, ZooForCausalLM, get_variant
 from .recipe import ModelArguments
 
 
@@ -119,3 +120,62 @@ def _round_up(value: float, digits: int = 2) -> float:
     """`value` rounded up to `digits` significant digits (a suggestion that still clears the bound)."""
     scale = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
     return round(math.ceil(value / scale) * scale, 12)
+
+
+def seq2seq_config(model_args: ModelArguments, **fields_):
+    """The config of the sequence-to-sequence model `model.variant` names: a registered one (`rnn`) from its preset,
+    or a decoder variant's config with `is_encoder_decoder=True` (its encoder-decoder form); `fields_` (the
+    tokenizer's) go over `model.config`. A field the config refuses is a `UserError` naming it."""
+    fields_ = {**model_args.config_fields(), **fields_}
+    try:
+        if model_args.variant in SEQ2SEQ:
+            return SEQ2SEQ[model_args.variant].config(model_args.size or None, **fields_)
+        if model_args.variant not in VARIANTS:
+            raise UserError(
+                f"model.variant={model_args.variant!r} is not registered; sequence-to-sequence models: "
+                f"{sorted(SEQ2SEQ)}, decoder variants (as encoder-decoders): {sorted(VARIANTS)}."
+            )
+        return get_variant(model_args.variant).config(
+            model_args.size or None, **{**fields_, "is_encoder_decoder": True}
+        )
+    except UserError:
+        raise
+    except ValueError as error:  # the config's validation names the field
+        raise UserError(f"model: {one_line(error)}") from error
+
+
+def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length: int):
+    """The translator to train: from `init_from`, or fresh from `seq2seq_config` with the tokenizer's vocabulary
+    and special tokens (the decoder starts from BOS, as the tokenizer's texts end with EOS). A source length beyond
+    the encoder's positions is refused."""
+    from ..evaluation.translation import encoder_positions
+
+    if model_args.conversion.num_key_value_heads is not None:
+        raise UserError(
+            "convert.num_key_value_heads pools a decoder-only model's heads; remove it for model.task seq2seq."
+        )
+    kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+    if model_args.init_from is not None:
+        model = AutoModelForSeq2SeqLM.from_pretrained(resolve_source(model_args.init_from), **kwargs)
+        if len(tokenizer) > model.config.vocab_size:
+            raise UserError(
+                f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
+                f"{model.config.vocab_size} embeddings; leave data.tokenizer empty to use the checkpoint's own."
+            )
+    else:
+        fields_ = tokenizer_fields(tokenizer) | {"decoder_start_token_id": tokenizer.bos_token_id}
+        config = seq2seq_config(model_args, **fields_)
+        try:
+            model = AutoModelForSeq2SeqLM.from_config(config, **kwargs)
+        except ValueError as error:  # no encoder-decoder class registered for this config
+            raise UserError(
+                f"model.variant={model_args.variant!r} has no encoder-decoder model registered with "
+                f"AutoModelForSeq2SeqLM ({one_line(error)}); choose one of {sorted(SEQ2SEQ)}."
+            ) from error
+    positions = encoder_positions(model.config)
+    if positions is not None and max_source_length > positions:
+        raise UserError(
+            f"data.max_source_length={max_source_length} is longer than the encoder's {positions} positions "
+            f"(max_position_embeddings); lower data.max_source_length or raise max_position_embeddings."
+        )
+    return model

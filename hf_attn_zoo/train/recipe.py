@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import HfArgumentParser, Seq2SeqTrainingArguments
 
 from ..convert.pooling import METHODS as POOLING_METHODS
 from ..data import DataArguments
 from ..errors import MissingPathError, UserError, one_line
-from ..models import get_variant
+from ..models import SEQ2SEQ, get_variant
 
 # Defaults the recipes may override: TensorBoard logs; DDP without the search for unused parameters (every zoo
 # parameter takes part in the loss, and the search costs a pass over the graph every step).
@@ -102,6 +102,14 @@ class ModelArguments:
     attn_implementation: str | None = field(
         default=None, metadata={"help": "eager, sdpa, ... (default: the best the variant supports)"}
     )
+    task: str | None = field(
+        default=None,
+        metadata={
+            "help": "causal_lm (a language model on text) or seq2seq (a translator on pairs: Seq2SeqTrainer, "
+            "BLEU/chrF); empty: seq2seq for a sequence-to-sequence model (rnn), config.is_encoder_decoder or an "
+            "encoder-decoder init_from, else causal_lm"
+        },
+    )
     # init=False: parsed from its own section, so HfArgumentParser offers no --model.conversion
     conversion: ConversionArguments = field(default_factory=ConversionArguments, init=False)
 
@@ -116,17 +124,41 @@ class ModelArguments:
             raise UserError(f"model.config must be a mapping of config fields, got {self.config!r}.")
         return fields_
 
+    @property
+    def seq2seq(self) -> bool:
+        """Whether the run trains a sequence-to-sequence model on pairs (`task`, or what the model is)."""
+        if self.task is not None:
+            return self.task == "seq2seq"
+        if self.init_from is not None:
+            config = Path(self.init_from).expanduser() / "config.json"
+            return config.is_file() and bool(json.loads(config.read_text()).get("is_encoder_decoder"))
+        return self.variant in SEQ2SEQ or bool(self.config_fields().get("is_encoder_decoder"))
+
     def check_config(self) -> None:
         """Build the variant's config (not the model) from the preset and the fields, so that a field the config
         refuses is reported while the recipe is read rather than after data preparation; the tokenizer's fields
         come later and are the tokenizer's, not the user's."""
+        if self.task not in (None, "causal_lm", "seq2seq"):
+            raise UserError(f"model.task={self.task!r} is not one of ['causal_lm', 'seq2seq'].")
+        if self.task == "causal_lm" and self.variant in SEQ2SEQ and self.init_from is None:
+            raise UserError(
+                f"model.variant={self.variant!r} is a sequence-to-sequence model: set model.task to seq2seq, or "
+                f"choose a decoder-only variant for causal_lm."
+            )
         if self.init_from is None:
-            get_variant(self.variant).config(self.size or None, **self.config_fields())
+            if self.seq2seq:
+                from .build import seq2seq_config
+
+                seq2seq_config(self)
+            else:
+                get_variant(self.variant).config(self.size or None, **self.config_fields())
 
 
 @dataclass
-class ZooTrainingArguments(TrainingArguments):
-    """`TrainingArguments` with what a recipe states about the machine it needs."""
+class ZooTrainingArguments(Seq2SeqTrainingArguments):
+    """`TrainingArguments` with what a recipe states about the machine it needs, and the generation fields of
+    `Seq2SeqTrainingArguments` (`generation_max_length`, `generation_num_beams`) that sequence-to-sequence runs read;
+    language-model runs ignore them."""
 
     requires_gpu: bool = field(
         default=False,

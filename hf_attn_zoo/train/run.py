@@ -88,6 +88,41 @@ def check_validation_fills_a_batch(blocks: int, data_args: DataArguments, traini
         )
 
 
+def report_finished(finished: dict, training_args: TrainingArguments) -> dict:
+    """Say that a resumed run had already finished (nothing trained or written) and return its saved summary."""
+    if training_args.process_index == 0:
+        print(
+            f"{training_args.output_dir}: training already finished at step {finished['steps']} (training.max_steps="
+            f"{training_args.max_steps}), validation perplexity {finished['validation_perplexity']}; nothing "
+            f"trained or written (raise training.max_steps to train on)."
+        )
+    return finished
+
+
+def prepare_on_every_process(prepare, data_args: DataArguments, training_args: TrainingArguments) -> tuple:
+    """`prepare(data_args)` (a tuple whose first item is the tokenizer) with one tokenizer for all processes: the
+    main process trains (or loads) it and saves it in `output_dir/tokenizer`, the others then read that copy."""
+    shared_tokenizer = Path(training_args.output_dir) / "tokenizer"
+    with training_args.main_process_first(desc="data preparation", local=False):
+        if training_args.process_index != 0 and data_args.tokenizer is None:
+            data_args.tokenizer = str(shared_tokenizer)
+        prepared = prepare(data_args)
+        if training_args.process_index == 0:
+            prepared[0].save_pretrained(shared_tokenizer)
+    return prepared
+
+
+def train_measured(trainer: Trainer, memory: MemoryCallback, resume: str | None) -> tuple[float, list[dict]]:
+    """Train (resuming from `resume`; `training.max_steps` 0 trains nothing) and return the seconds it took and
+    every process's peak memory (`MemoryCallback.report`), gathered on every process."""
+    start = time.perf_counter()
+    memory.start()
+    if trainer.args.max_steps != 0:  # uptraining with a fraction of 0: the converted model as it is
+        trainer.train(resume_from_checkpoint=resume)
+    seconds = time.perf_counter() - start
+    return seconds, gather_object([{"rank": trainer.args.process_index, **memory.report(trainer)}])
+
+
 def run_training(
     model_args: ModelArguments,
     data_args: DataArguments,
@@ -107,6 +142,10 @@ def run_training(
         * training_args.world_size
         * data_args.block_size
     )
+    if model_args.seq2seq:
+        from .seq2seq import run_seq2seq
+
+        return run_seq2seq(model_args, data_args, training_args, resume, callbacks)
     conversion = model_args.conversion
     conversion.check_parent(model_args.init_from)  # arguments built in Python skip load_recipe's check
     if conversion.uptrain_fraction is not None:  # before any data work: the parent must say how long it trained
@@ -114,24 +153,13 @@ def run_training(
         training_args.max_steps = uptraining_steps(conversion.uptrain_fraction, parent_tokens, tokens_per_step)
     finished = finished_summary(resume, training_args)
     if finished is not None:  # nothing to train: report the run as it ended, writing nothing
-        if training_args.process_index == 0:
-            print(
-                f"{output_dir}: training already finished at step {finished['steps']} (training.max_steps="
-                f"{training_args.max_steps}), validation perplexity {finished['validation_perplexity']}; nothing "
-                f"trained or written (raise training.max_steps to train on)."
-            )
-        return finished
+        return report_finished(finished, training_args)
     set_seed(training_args.seed)  # the model's initialisation must not depend on what ran before in the process
     if model_args.init_from is not None and data_args.tokenizer is None:
         data_args.tokenizer = resolve_source(model_args.init_from)
-    # one tokenizer for all processes: the main process trains (or loads) it and the others read its copy
-    shared_tokenizer = output_dir / "tokenizer"
-    with training_args.main_process_first(desc="data preparation", local=False):
-        if training_args.process_index != 0 and data_args.tokenizer is None:
-            data_args.tokenizer = str(shared_tokenizer)
-        tokenizer, train_blocks, validation_blocks, unigram = prepare_data(data_args)
-        if training_args.process_index == 0:
-            tokenizer.save_pretrained(shared_tokenizer)
+    tokenizer, train_blocks, validation_blocks, unigram = prepare_on_every_process(
+        prepare_data, data_args, training_args
+    )
     check_validation_fills_a_batch(len(validation_blocks), data_args, training_args)
     model = build_model(model_args, tokenizer, data_args.block_size, train_blocks)
     config: ZooConfig = model.config
@@ -159,12 +187,7 @@ def run_training(
     # throughput first, so that TensorBoard and the progress printer get its figures in the same logs
     trainer.callback_handler.callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))
     first_step = int(Path(resume).name.split("-")[-1]) if resume else 0
-    start = time.perf_counter()
-    memory.start()
-    if training_args.max_steps != 0:  # uptraining with a fraction of 0: the converted model as it is
-        trainer.train(resume_from_checkpoint=resume)
-    seconds = time.perf_counter() - start
-    memory_per_process = gather_object([{"rank": training_args.process_index, **memory.report(trainer)}])
+    seconds, memory_per_process = train_measured(trainer, memory, resume)
     evaluation = trainer.evaluate()
     perplexity = math.exp(min(evaluation["eval_loss"], 700.0))
     summary = {

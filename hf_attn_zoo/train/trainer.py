@@ -1,5 +1,6 @@
 """`ZooTrainer`, the transformers `Trainer` with its fixes (resuming, FSDP on CPU processes, saving a sharded model
-as its own class), and which checkpoint a run resumes from."""
+as its own class), `ZooSeq2SeqTrainer` (the same fixes over `Seq2SeqTrainer`), and which checkpoint a run resumes
+from."""
 
 import os
 from collections.abc import Iterator
@@ -7,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -87,6 +88,11 @@ class ZooTrainer(Trainer):
         if len(missing) < len(load_result.missing_keys):
             self.model.tie_weights()
         super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
+
+
+class ZooSeq2SeqTrainer(ZooTrainer, Seq2SeqTrainer):
+    """`Seq2SeqTrainer` (evaluation with `generate()` under `predict_with_generate`) with `ZooTrainer`'s fixes: the
+    method resolution order puts them first, and their `super()` calls reach `Seq2SeqTrainer`, then `Trainer`."""
 
 
 @contextmanager

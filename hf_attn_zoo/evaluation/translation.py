@@ -1,0 +1,156 @@
+"""Scoring a translator on pairs: its translations' corpus BLEU and chrF (the shipped `evaluate` module,
+`hf_attn_zoo.evaluation.TRANSLATION`, sacrebleu underneath) and the references' perplexity under the model.
+
+    from hf_attn_zoo.evaluation.translation import load_translator, score_translation
+    model, tokenizer = load_translator("runs/tiny_translation/final")
+    score_translation(model, tokenizer, ["I see the book."], ["Yo veo el libro."], num_beams=4)
+
+or `hf-attn-zoo translate-eval CHECKPOINT --data pairs.tsv [--num_beams 4] [--json]`. The perplexity is corpus-level
+and token-weighted, as the language models' (`exp` of the summed negative log-likelihood of every reference token,
+EOS included, over their count), with the model reading the source and the reference before each token (teacher
+forcing): how likely the model finds the human translation, independent of the decoding.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from ..errors import UserError
+from ..loading import check_model_folder, from_pretrained
+
+
+def encoder_positions(config) -> int | None:
+    """The longest source the encoder reads, or None where it has no limit (an RNN)."""
+    for name in ("max_source_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_checkpoint_config(name: str | os.PathLike, command: str) -> None:
+    """Refuse, before any weights load, a local checkpoint that is not an encoder-decoder (a language model: the LM
+    commands score it) or one without `decoder_start_token_id`, the first token the decoder reads."""
+    folder = Path(name).expanduser()
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        return  # a Hub id: transformers' config tells below
+    config = json.loads(config_path.read_text())
+    check_seq2seq_fields(config, str(name), command, folder)
+
+
+def check_seq2seq_fields(config: dict, name: str, command: str, folder: Path | None = None) -> None:
+    if not config.get("is_encoder_decoder"):
+        raise UserError(
+            f"{name} is a decoder-only model ({config.get('model_type')}), not an encoder-decoder translator: score "
+            f"it with hf-attn-zoo eval; {command} needs a checkpoint with is_encoder_decoder (hf-attn-zoo train with "
+            f"model.task seq2seq)."
+        )
+    start = config.get("decoder_start_token_id")
+    if start is None and folder is not None and (folder / "generation_config.json").is_file():
+        start = json.loads((folder / "generation_config.json").read_text()).get("decoder_start_token_id")
+    if start is None:
+        raise UserError(
+            f"{name}: config.json has no decoder_start_token_id (the first token the decoder reads); set it in "
+            f"config.json to the id training used (the tokenizer's bos_token_id)."
+        )
+
+
+def load_translator(name: str | os.PathLike, command: str = "translate-eval", trust_remote_code: bool = False):
+    """(sequence-to-sequence model in eval mode, tokenizer) of a checkpoint, refused in one line when it is not one
+    (`check_checkpoint_config`)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    check_model_folder(name)
+    check_checkpoint_config(name, command)
+    tokenizer = from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
+    model = from_pretrained(AutoModelForSeq2SeqLM, name, trust_remote_code=trust_remote_code)
+    return model.eval(), tokenizer
+
+
+def check_source_lengths(tokenizer, sources: list[str], limit: int | None, name: str, option: str) -> None:
+    """Refuse a source longer than `limit` tokens (the encoder's positions, or the user's `option`), naming it."""
+    if limit is None:
+        return
+    for row, ids in enumerate(tokenizer(sources)["input_ids"], start=1):
+        if len(ids) > limit:
+            raise UserError(
+                f"{name}: pair {row} has a source of {len(ids)} tokens, more than {option}={limit}; shorten or split "
+                f"that source, or raise {option}."
+            )
+
+
+@torch.no_grad()
+def translate(
+    model, tokenizer, sources: list[str], num_beams: int = 1, max_new_tokens: int | None = None, batch_size: int = 16
+) -> list[str]:
+    """The model's translations of `sources` (greedy, or beam search with `num_beams`), detokenized."""
+    translations = []
+    for start in range(0, len(sources), batch_size):
+        inputs = tokenizer(sources[start : start + batch_size], return_tensors="pt", padding=True).to(model.device)
+        limit = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+        generated = model.generate(**inputs, num_beams=num_beams, do_sample=False, **limit)  # (B, T)
+        translations += tokenizer.batch_decode(generated, skip_special_tokens=True)
+    return [text.strip() for text in translations]
+
+
+@torch.no_grad()
+def labelled_nll(model, batch: dict) -> tuple[float, int]:
+    """(summed negative log-likelihood in nats, tokens) of a batch's `labels` (-100 where padded) under `model`."""
+    labels = batch["labels"]  # (B, T)
+    logits = model(**batch).logits  # (B, T, V)
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return nll.item(), int((labels != -100).sum())
+
+
+def reference_nll(model, tokenizer, sources: list[str], targets: list[str], batch_size: int = 16) -> tuple[float, int]:
+    """(summed negative log-likelihood in nats, tokens) of the reference `targets` (EOS included) given `sources`."""
+    from transformers import DataCollatorForSeq2Seq
+
+    collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
+    source_ids = tokenizer(sources)["input_ids"]
+    target_ids = tokenizer(text_target=targets)["input_ids"]
+    total, tokens = 0.0, 0
+    for start in range(0, len(sources), batch_size):
+        features = [
+            {"input_ids": source, "labels": target}
+            for source, target in zip(source_ids[start : start + batch_size], target_ids[start : start + batch_size])
+        ]
+        nll, count = labelled_nll(model, collate(features).to(model.device))
+        total, tokens = total + nll, tokens + count
+    return total, tokens
+
+
+def score_translation(
+    model,
+    tokenizer,
+    sources: list[str],
+    targets: list[str],
+    num_beams: int = 1,
+    max_new_tokens: int | None = None,
+    batch_size: int = 16,
+) -> dict:
+    """BLEU, chrF (0-100, sacrebleu's corpus scores and signatures) of the model's translations and the references'
+    perplexity, with the translations themselves."""
+    import evaluate
+
+    from . import TRANSLATION
+
+    translations = translate(model, tokenizer, sources, num_beams, max_new_tokens, batch_size)
+    scores = evaluate.load(TRANSLATION).compute(predictions=translations, references=targets)
+    nll, tokens = reference_nll(model, tokenizer, sources, targets, batch_size)
+    return {
+        "bleu": scores["bleu"],
+        "chrf": scores["chrf"],
+        "reference_perplexity": math.exp(min(nll / max(tokens, 1), 700.0)),
+        "reference_tokens": tokens,
+        "pairs": len(sources),
+        "num_beams": num_beams,
+        "bleu_signature": scores["bleu_signature"],
+        "chrf_signature": scores["chrf_signature"],
+        "translations": translations,
+    }
