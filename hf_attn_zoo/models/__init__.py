@@ -7,7 +7,10 @@ targets, family, how to build it) is read off its classes there, so no other mod
 
 Sequence-to-sequence models join `SEQ2SEQ` instead, with `register_seq2seq(ForConditionalGenerationClass)`: they
 are registered with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM` the same way, but stay out of `VARIANTS`,
-whose entries are decoder-only variants (the decoder conformance suite runs over every one of them).
+whose entries are decoder-only variants (the decoder conformance suite runs over every one of them). Every variant
+is also a Transformer encoder-decoder (`seq2seq_zoo`): `SEQ2SEQ` lists it under the variant's name, with the
+variant's config class (`is_encoder_decoder=True` selects that shape); `AutoModel` keeps mapping the config class to
+the decoder-only base model, which hands encoder-decoder configs to the variant's encoder-decoder base model.
 
 The other modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
 else from the package; this file is the only one that is not copied.
@@ -191,8 +194,10 @@ class ZooSeq2SeqModel:
         return {size: dict(fields) for size, fields in self.config_class.presets.items()}
 
     def config(self, size: str | None = None, **fields):
-        """A config of this model: preset `size` if given, with `fields` on top."""
-        return self.config_class(**{**(self.config_class.preset(size) if size else {}), **fields})
+        """A config of this model: preset `size` if given, with `fields` on top (and what the model's shape needs:
+        `is_encoder_decoder=True` for a variant's encoder-decoder)."""
+        defaults = getattr(self.generation_class, "config_defaults", {})
+        return self.config_class(**{**defaults, **(self.config_class.preset(size) if size else {}), **fields})
 
     def build(self, size: str | None = None, **fields):
         """A freshly initialised model of `config(size, **fields)`, ready for `generate()`."""
@@ -203,15 +208,19 @@ SEQ2SEQ: dict[str, ZooSeq2SeqModel] = {}
 
 
 def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
-    """Add a sequence-to-sequence model to `SEQ2SEQ` under its model type without `zoo_` (`zoo_rnn` -> `rnn`),
-    register its config, base model (`generation_class.model_class`) and itself with `AutoConfig`, `AutoModel` and
-    `AutoModelForSeq2SeqLM`, and mark them for `trust_remote_code` saving."""
+    """Add a sequence-to-sequence model to `SEQ2SEQ` under its model type without `zoo_` (`zoo_rnn` -> `rnn`,
+    `zoo_gqa` -> `gqa` for the GQA encoder-decoder), register its config, base model (`generation_class.model_class`)
+    and itself with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM`, and mark them for `trust_remote_code`
+    saving. A variant's encoder-decoder shares the variant's config class, which `AutoModel` keeps mapping to the
+    decoder-only base model (one class per config class); that one hands encoder-decoder configs on."""
     entry = ZooSeq2SeqModel(generation_class.config_class.model_type.removeprefix("zoo_"), generation_class)
-    if entry.name in SEQ2SEQ or entry.name in VARIANTS:
+    variant = VARIANTS.get(entry.name)
+    if entry.name in SEQ2SEQ or (variant is not None and variant.config_class is not entry.config_class):
         raise ValueError(f"model {entry.name!r} is already registered")
     AutoConfig.register(entry.model_type, entry.config_class, exist_ok=True)
     entry.config_class.register_for_auto_class()
-    AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
+    if variant is None:
+        AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
     entry.model_class.register_for_auto_class("AutoModel")
     AutoModelForSeq2SeqLM.register(entry.config_class, generation_class, exist_ok=True)
     generation_class.register_for_auto_class("AutoModelForSeq2SeqLM")
@@ -220,6 +229,8 @@ def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
 
 
 register_seq2seq(rnn.ZooRNNForConditionalGeneration)
+for _variant in VARIANTS.values():
+    register_seq2seq(_variant.model_class.seq2seq_model_class.generation_class)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

@@ -24,6 +24,7 @@ from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import ZooModel
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooAdditiveConfig(ZooChunkedConfig):
@@ -98,3 +99,4 @@ class ZooAdditiveModel(ZooModel):
     ZooAdditiveForTokenClassification,
     ZooAdditiveForQuestionAnswering,
 ) = variant_heads(ZooAdditiveModel)
+ZooAdditiveSeq2SeqModel, ZooAdditiveForConditionalGeneration = seq2seq_classes(ZooAdditiveModel)

@@ -21,6 +21,7 @@ from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import ZooModel
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooTopKConfig(ZooChunkedConfig):
@@ -110,3 +111,4 @@ class ZooTopKModel(ZooModel):
 ZooTopKForCausalLM, ZooTopKForSequenceClassification, ZooTopKForTokenClassification, ZooTopKForQuestionAnswering = (
     variant_heads(ZooTopKModel)
 )
+ZooTopKSeq2SeqModel, ZooTopKForConditionalGeneration = seq2seq_classes(ZooTopKModel)
