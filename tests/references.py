@@ -44,11 +44,12 @@ def sinusoid(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return table.float()
 
 
-def scored_attention(attn, hidden, positions, attention_mask, config, score, keep=None):
+def scored_attention(attn, hidden, positions, attention_mask, config, score, keep=None, causal=True):
     """Attention with an arbitrary score, one (row, head) at a time: query head h reads key/value head h // (H / G);
     `score(q_i, keys, h)` gives the scores of one query against all keys; ALiBi adds its bias; with
     `config.sliding_window` = w a query sees the keys at most w - 1 positions back; with `keep`, only the `keep` best
-    allowed scores of each query enter the softmax."""
+    allowed scores of each query enter the softmax. `causal=False` is an encoder's form: every real key, within w - 1
+    positions on either side, ALiBi over the absolute distance."""
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     qk_dim = attn.query_key_dim
@@ -61,17 +62,20 @@ def scored_attention(attn, hidden, positions, attention_mask, config, score, kee
     slopes = paper_alibi_slopes(heads)
     window = getattr(config, "sliding_window", None)
     out = torch.zeros(batch, length, heads, head_dim)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    order = torch.ones(length, length, dtype=torch.bool)
+    order = order.tril() if causal else order
     for b in range(batch):
-        allowed = causal & attention_mask[b].bool()[None, :]
+        allowed = order & attention_mask[b].bool()[None, :]
+        distance = positions[b][:, None] - positions[b][None, :]  # (T, T): query minus key position
+        distance = distance if causal else distance.abs()
         if window is not None:
-            allowed = allowed & (positions[b][:, None] - positions[b][None, :] < window)
+            allowed = allowed & (distance < window)
         for h in range(heads):
             g = h // (heads // kv_heads)
             for i in range(length):
                 scores = score(q[b, i, h], k[b, :, g], h)  # (S,)
                 if config.position_embedding_type == "alibi":
-                    scores = scores - slopes[h] * (positions[b, i] - positions[b])
+                    scores = scores - slopes[h] * distance[i]
                 visible = allowed[i].clone()
                 if not visible.any():  # a padding query: its output is never compared
                     continue
@@ -84,18 +88,19 @@ def scored_attention(attn, hidden, positions, attention_mask, config, score, kee
     return attn.o_proj(out.reshape(batch, length, heads * head_dim))
 
 
-def softmax_attention(attn, hidden, positions, attention_mask, config):
+def softmax_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """Scaled dot-product attention (MHA, GQA, MQA, sliding window)."""
     scale = attn.query_key_dim**-0.5
-    return scored_attention(attn, hidden, positions, attention_mask, config, lambda q, keys, h: keys @ q * scale)
+    return scored_attention(
+        attn, hidden, positions, attention_mask, config, lambda q, keys, h: keys @ q * scale, causal=causal
+    )
 
 
-def topk_attention(attn, hidden, positions, attention_mask, config):
+def topk_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """Gupta et al. 2021: the softmax over each query's `topk` best scaled dot products."""
     scale = attn.query_key_dim**-0.5
-    return scored_attention(
-        attn, hidden, positions, attention_mask, config, lambda q, keys, h: keys @ q * scale, keep=config.topk
-    )
+    score = lambda q, keys, h: keys @ q * scale  # noqa: E731
+    return scored_attention(attn, hidden, positions, attention_mask, config, score, keep=config.topk, causal=causal)
 
 
 def latent_attention(attn, hidden, positions, attention_mask, config):
@@ -154,12 +159,11 @@ def latent_attention(attn, hidden, positions, attention_mask, config):
     return attn.o_proj(out.reshape(batch, length, heads * v_dim))
 
 
-def additive_attention(attn, hidden, positions, attention_mask, config):
+def additive_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """Bahdanau et al. 2015: score(q, k) = v_h . tanh(q + k), q and k already projected (W_q x, W_k x)."""
     vector = attn.score_vector
-    return scored_attention(
-        attn, hidden, positions, attention_mask, config, lambda q, keys, h: torch.tanh(q + keys) @ vector[h]
-    )
+    score = lambda q, keys, h: torch.tanh(q + keys) @ vector[h]  # noqa: E731
+    return scored_attention(attn, hidden, positions, attention_mask, config, score, causal=causal)
 
 
 def differential_attention(attn, hidden, positions, attention_mask, config):
@@ -277,3 +281,62 @@ def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.model.norm(x))
+
+
+def cross_attention(attn, hidden, memory, memory_mask):
+    """A decoder's cross-attention written out, one (row, head, query) at a time: query head h reads the encoder
+    key/value head h // (H / G); the score is the scaled dot product, or Bahdanau's v_h . tanh(q + k) for the additive
+    kind (`score_vector`); padded source tokens are never attended to; no positions."""
+    batch, length, _ = hidden.shape
+    source_length = memory.shape[1]
+    heads, kv_heads, width, head_dim = attn.num_heads, attn.num_key_value_heads, attn.query_key_dim, attn.head_dim
+    q = attn.q_proj(hidden).view(batch, length, heads, width)
+    k = attn.k_proj(memory).view(batch, source_length, kv_heads, width)
+    v = attn.v_proj(memory).view(batch, source_length, kv_heads, head_dim)
+    additive = hasattr(attn, "score_vector")
+    out = torch.zeros(batch, length, heads, head_dim)
+    for b in range(batch):
+        real = memory_mask[b].bool()
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            for i in range(length):
+                if additive:
+                    scores = torch.stack(
+                        [attn.score_vector[h] @ torch.tanh(q[b, i, h] + k[b, j, g]) for j in range(source_length)]
+                    )
+                else:
+                    scores = k[b, :, g] @ q[b, i, h] * head_dim**-0.5
+                probabilities = scores.masked_fill(~real, float("-inf")).softmax(-1)
+                out[b, i, h] = probabilities @ v[b, :, g]
+    return attn.o_proj(out.reshape(batch, length, heads * head_dim))
+
+
+def seq2seq_logits(model, input_ids, attention_mask, decoder_input_ids, attention=softmax_attention):
+    """Logits of a zoo encoder-decoder recomputed layer by layer: the encoder with the naive `attention` in its
+    bidirectional form, the decoder with it causal and the naive cross-attention over the encoder's outputs. True
+    positions on both sides (the decoder's target is unpadded)."""
+    config = model.config
+
+    def embed(stack, ids, positions):
+        x = stack.embed_tokens(ids)  # scaled where the backbone scales it
+        if config.position_embedding_type == "learned":
+            x = x + stack.embed_positions(positions)
+        elif config.position_embedding_type == "sinusoidal":
+            x = x + sinusoid(positions, config.hidden_size)
+        return x
+
+    encoder, decoder = model.model.encoder, model.model.decoder
+    positions = true_positions(attention_mask)
+    x = embed(encoder, input_ids, positions)
+    for layer in encoder.layers:
+        x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config, causal=False)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    memory = encoder.norm(x)
+    target_mask = torch.ones_like(decoder_input_ids)
+    positions = true_positions(target_mask)
+    y = embed(decoder, decoder_input_ids, positions)
+    for layer in decoder.layers:
+        y = y + attention(layer.self_attn, layer.input_layernorm(y), positions, target_mask, config)
+        y = y + cross_attention(layer.encoder_attn, layer.encoder_attn_layer_norm(y), memory, attention_mask)
+        y = y + layer.mlp(layer.post_attention_layernorm(y))
+    return model.lm_head(decoder.norm(y))

@@ -36,15 +36,18 @@ def test_auto_map_and_files(tmp_path):
         "cache_zoo.py",
         "cards_zoo.py",
         "checkpoint_zoo.py",
+        "chunked_zoo.py",
         "clients_zoo.py",
         "compat_zoo.py",
         "configuration_zoo.py",
+        "cross_attention_zoo.py",
         "heads_zoo.py",
         "loss_zoo.py",
         "masks_zoo.py",
         "mha.py",
         "modeling_zoo.py",
         "positions_zoo.py",
+        "seq2seq_zoo.py",
     ]
     for name in code:  # the copied code must not need the package itself
         assert "hf_attn_zoo" not in get_imports(tmp_path / name)

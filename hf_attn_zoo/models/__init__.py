@@ -7,7 +7,10 @@ targets, family, how to build it) is read off its classes there, so no other mod
 
 Sequence-to-sequence models join `SEQ2SEQ` instead, with `register_seq2seq(ForConditionalGenerationClass)`: they
 are registered with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM` the same way, but stay out of `VARIANTS`,
-whose entries are decoder-only variants (the decoder conformance suite runs over every one of them).
+whose entries are decoder-only variants (the decoder conformance suite runs over every one of them). Every variant
+is also a Transformer encoder-decoder (`seq2seq_zoo`): `SEQ2SEQ` lists it under the variant's name, with the
+variant's config class (`is_encoder_decoder=True` selects that shape); `AutoModel` keeps mapping the config class to
+the decoder-only base model, which hands encoder-decoder configs to the variant's encoder-decoder base model.
 
 The other modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
 else from the package; this file is the only one that is not copied.
@@ -53,9 +56,14 @@ class RegisteredModel:
     def preset(self, size: str) -> dict:
         return self.config_class.preset(size)
 
+    @property
+    def config_defaults(self) -> dict:
+        """Fields the model's shape needs under any preset (none by default)."""
+        return {}
+
     def config(self, size: str | None = None, **fields) -> PretrainedConfig:
-        """A config of this model: preset `size` (tiny, small, base) if given, with `fields` on top."""
-        return self.config_class(**{**(self.preset(size) if size else {}), **fields})
+        """A config of this model: `config_defaults`, preset `size` (tiny, small, base) if given, `fields` on top."""
+        return self.config_class(**{**self.config_defaults, **(self.preset(size) if size else {}), **fields})
 
 
 @dataclass(frozen=True)
@@ -140,14 +148,16 @@ def register_variant(causal_lm_class: type[ZooForCausalLM]) -> ZooVariant:
     return variant
 
 
-def register_auto_classes(entry: RegisteredModel, heads: dict[str, type]) -> None:
-    """Register `entry`'s config with `AutoConfig`, its base model with `AutoModel` and each of `heads` (Auto class
-    name -> class) with that Auto class, and mark them all for `trust_remote_code` saving (`register_for_auto_class`:
-    `save_pretrained` then copies their code beside the weights and lists them in `auto_map`)."""
+def register_auto_classes(entry: RegisteredModel, heads: dict[str, type], map_auto_model: bool = True) -> None:
+    """Register `entry`'s config with `AutoConfig`, its base model with `AutoModel` (unless `map_auto_model` is
+    False) and each of `heads` (Auto class name -> class) with that Auto class, and mark them all for
+    `trust_remote_code` saving (`register_for_auto_class`: `save_pretrained` then copies their code beside the
+    weights and lists them in `auto_map`)."""
     AutoConfig.register(entry.model_type, entry.config_class, exist_ok=True)
     entry.config_class.register_for_auto_class()
     for auto_class, model_class in {"AutoModel": entry.model_class, **heads}.items():
-        getattr(transformers, auto_class).register(entry.config_class, model_class, exist_ok=True)
+        if auto_class != "AutoModel" or map_auto_model:
+            getattr(transformers, auto_class).register(entry.config_class, model_class, exist_ok=True)
         model_class.register_for_auto_class(auto_class)
 
 
@@ -182,6 +192,12 @@ class ZooSeq2SeqModel(RegisteredModel):
     def config_class(self) -> type:
         return self.generation_class.config_class
 
+    @property
+    def config_defaults(self) -> dict:
+        """Fields the model's shape needs on top of its presets: `is_encoder_decoder=True` for a variant's
+        encoder-decoder, whose config class is the decoder's."""
+        return dict(getattr(self.generation_class, "config_defaults", {}))
+
     def build(self, size: str | None = None, **fields):
         """A freshly initialised model of `config(size, **fields)`, ready for `generate()`."""
         return self.generation_class(self.config(size, **fields))
@@ -191,18 +207,24 @@ SEQ2SEQ: dict[str, ZooSeq2SeqModel] = {}
 
 
 def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
-    """Add a sequence-to-sequence model to `SEQ2SEQ` under its model type without `zoo_` (`zoo_rnn` -> `rnn`),
-    register its config, base model (`generation_class.model_class`) and itself with `AutoConfig`, `AutoModel` and
-    `AutoModelForSeq2SeqLM`, and mark them for `trust_remote_code` saving."""
+    """Add a sequence-to-sequence model to `SEQ2SEQ` under its model type without `zoo_` (`zoo_rnn` -> `rnn`,
+    `zoo_gqa` -> `gqa` for the GQA encoder-decoder), register its config, base model (`generation_class.model_class`)
+    and itself with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM`, and mark them for `trust_remote_code`
+    saving. A variant's encoder-decoder shares the variant's config class, which `AutoModel` keeps mapping to the
+    decoder-only base model (one class per config class); that one hands encoder-decoder configs on."""
     entry = ZooSeq2SeqModel(generation_class.config_class.model_type.removeprefix("zoo_"), generation_class)
-    if entry.name in SEQ2SEQ or entry.name in VARIANTS:
+    variant = VARIANTS.get(entry.name)
+    if entry.name in SEQ2SEQ or (variant is not None and variant.config_class is not entry.config_class):
         raise ValueError(f"model {entry.name!r} is already registered")
-    register_auto_classes(entry, {"AutoModelForSeq2SeqLM": generation_class})
+    # a variant's encoder-decoder shares its config class, which AutoModel keeps mapping to the decoder's base model
+    register_auto_classes(entry, {"AutoModelForSeq2SeqLM": generation_class}, map_auto_model=variant is None)
     SEQ2SEQ[entry.name] = entry
     return entry
 
 
 register_seq2seq(rnn.ZooRNNForConditionalGeneration)
+for _variant in VARIANTS.values():
+    register_seq2seq(_variant.model_class.seq2seq_model_class.generation_class)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

@@ -27,8 +27,12 @@ have left.
 Cache per token: AFT-full 2·L·d; AFT-local flat after s tokens (2·L·d·(s - 1) + 3·L·d in all); AFT-simple nothing
 (a state of 3·L·d). Positions: w is AFT's own position scheme and reads true positions (`position_ids`); absolute
 embeddings (sinusoidal, learned) may be added; RoPE and ALiBi act on dot-product scores and are refused.
-`output_attentions` gives None: there are no attention weights. Deviations from the paper: causal only (the paper
-also has the bidirectional form); AFT-local uses the same factorised w as AFT-full; `attention_dropout` is unused.
+`output_attentions` gives None: there are no attention weights. Deviations from the paper: AFT-local uses the same
+factorised w as AFT-full; `attention_dropout` is unused.
+
+Bidirectional form (an encoder's, the paper's own, `aft_bidirectional_attend`): every real token of the row is
+summed, y_t = sigmoid(q_t) * sum_{t'} exp(k_t' + w[t, t']) * v_t' / sum_{t'} exp(k_t' + w[t, t']); AFT-local's
+window reaches s - 1 positions on either side (|t - t'| < s).
 
 Packed rows (several documents in one row, `position_ids` restarting at 0, as in padding-free training): a token
 weighs the keys of its own document only; the running sums restart at each document, and every max used for
@@ -44,6 +48,7 @@ from .aft_kernels_zoo import (
     aft_attend,
     aft_band_fits,
     aft_banded_attend,
+    aft_bidirectional_attend,
     aft_dense_attend,
     aft_simple_attend,
     aft_state_after,
@@ -53,6 +58,7 @@ from .configuration_zoo import ZooChunkedConfig, check_positive_int, sized
 from .heads_zoo import variant_heads
 from .masks_zoo import TokenMask
 from .modeling_zoo import ZooAttention, ZooModel
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooAFTConfig(ZooChunkedConfig):
@@ -147,6 +153,10 @@ class ZooAFTAttention(ZooAttention):
         return keys * (4 * config.hidden_size + 2 * config.aft_bias_rank)
 
     @classmethod
+    def bidirectional_refusal(cls, config: ZooAFTConfig) -> str | None:
+        return None  # the paper's non-causal form (`aft_bidirectional_attend`), on `TokenMask.causal=False`
+
+    @classmethod
     def attention_weights_absence(cls, config: ZooAFTConfig) -> str:
         return "AFT has no query-key scores: each channel of the output is its own weighted average of the values"
 
@@ -181,6 +191,10 @@ class ZooAFTAttention(ZooAttention):
         exporting = torch.compiler.is_exporting()
         window = {"full": None, "simple": 0}.get(self.mode, getattr(self.config, "aft_window", None))
         averages = None
+        if not attention_mask.causal:  # an encoder: every token of the row, no decoding state
+            bias = None if self.mode == "simple" else self.pairwise_bias
+            averages = aft_bidirectional_attend(keys, values, attention_mask.padding, positions, window, bias)
+            return self.o_proj(gate * averages.to(gate.dtype)), None
         if self.mode == "simple" and not exporting:  # exporting: aft_attend's one-chunk graph
             averages, state = aft_simple_attend(keys, values, attention_mask.padding, state, chunk, documents)
         elif state is None and not exporting:  # from the first token (training, scoring, a prompt): all at once
@@ -219,6 +233,7 @@ class ZooAFTFullModel(ZooModel):
     ZooAFTFullForTokenClassification,
     ZooAFTFullForQuestionAnswering,
 ) = variant_heads(ZooAFTFullModel)
+ZooAFTFullSeq2SeqModel, ZooAFTFullForConditionalGeneration = seq2seq_classes(ZooAFTFullModel)
 
 
 class ZooAFTLocalModel(ZooModel):
@@ -232,6 +247,7 @@ class ZooAFTLocalModel(ZooModel):
     ZooAFTLocalForTokenClassification,
     ZooAFTLocalForQuestionAnswering,
 ) = variant_heads(ZooAFTLocalModel)
+ZooAFTLocalSeq2SeqModel, ZooAFTLocalForConditionalGeneration = seq2seq_classes(ZooAFTLocalModel)
 
 
 class ZooAFTSimpleModel(ZooModel):
@@ -245,3 +261,4 @@ class ZooAFTSimpleModel(ZooModel):
     ZooAFTSimpleForTokenClassification,
     ZooAFTSimpleForQuestionAnswering,
 ) = variant_heads(ZooAFTSimpleModel)
+ZooAFTSimpleSeq2SeqModel, ZooAFTSimpleForConditionalGeneration = seq2seq_classes(ZooAFTSimpleModel)

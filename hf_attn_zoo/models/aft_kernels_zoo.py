@@ -266,6 +266,42 @@ def aft_dense_attend(
     return (numerator / torch.where(denominator > 0, denominator, 1.0)).float()
 
 
+def aft_bidirectional_attend(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    positions: torch.LongTensor,
+    window: int | None,
+    bias: Bias | None,
+) -> torch.Tensor:
+    """The paper's non-causal AFT over a whole row (an encoder): every valid token weighs every valid token, AFT-full
+    (`window` None), AFT-local (`window` s: w for |t - t'| < s, 0 beyond) or AFT-simple (`bias` None: no w). keys,
+    values `(B, T, d)` in float32; returns the weighted averages `(B, T, d)`.
+
+    As in `aft_dense_attend`, exp(w[t, t'] + k[t']) = exp(w[t, t'] - r[t]) · exp(k[t'] - c) · exp(r[t] + c) and the
+    last factor cancels: one (T, T) weight matrix shared by every channel and two float64 matrix products. Nothing is
+    causal here, so the shifts are plain maxima: r[t] over row t's valid biases, c per channel over the row's valid
+    keys; every factor is then at most 1 and the largest key's is exactly 1."""
+    batch, length, width = keys.shape
+    if bias is None:
+        w = keys.new_zeros(batch, length, length)  # (B, T, T)
+    else:
+        w = bias(positions, positions)  # (B, T, T)
+        if window is not None:
+            w = w.masked_fill((positions[:, :, None] - positions[:, None, :]).abs() >= window, 0.0)
+    exponent = keys
+    if valid is not None:  # padding keys count for nothing
+        w = w.masked_fill(~valid[:, None, :], float("-inf"))
+        exponent = keys.masked_fill(~valid[..., None], float("-inf"))
+    row_max = w.amax(dim=-1, keepdim=True).detach()  # (B, T, 1)
+    weights = torch.exp(w - torch.where(torch.isfinite(row_max), row_max, 0.0)).double()  # (B, T, T), <= 1
+    key_max = exponent.amax(dim=1, keepdim=True).detach()  # (B, 1, d)
+    exps = torch.exp((exponent - torch.where(torch.isfinite(key_max), key_max, 0.0)).double())  # (B, T, d)
+    sums = weights @ torch.cat((exps * values.double(), exps), dim=-1)  # (B, T, 2d): numerator | denominator
+    numerator, denominator = sums.split(width, dim=-1)
+    return (numerator / torch.where(denominator > 0, denominator, 1.0)).float()
+
+
 def aft_band_fits(valid: torch.Tensor | None, positions: torch.LongTensor) -> torch.Tensor:
     """Whether AFT-local's window is a band of indices, so that `aft_banded_attend` applies: the positions of every
     row's valid tokens advance by one per token. valid `(B, T)` or None, positions `(B, T)`; a 0-dim bool tensor."""

@@ -6,7 +6,11 @@ the same for both and is written here once: queries go through in chunks, so tha
 exist at a time, each chunk against the keys its last query can see; the weights are kept only when
 `output_attentions` asks for them, and then the output is computed from them, as eager attention's is.
 
-Like its siblings it travels next to every saved checkpoint that needs it (remote code), so it imports only torch.
+Bahdanau's additive scores themselves are written here too (`additive_attention`): the additive variant's
+self-attention and the encoder-decoder's additive cross-attention share them.
+
+Like its siblings it travels next to every saved checkpoint that needs it (remote code), so it imports only torch
+and transformers.
 """
 
 from collections.abc import Callable
@@ -14,8 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import repeat_kv
 
-__all__ = ["chunked_softmax_attention", "weighted_values"]
+__all__ = ["additive_attention", "chunked_softmax_attention", "weighted_values"]
 
 
 def chunked_softmax_attention(
@@ -63,3 +68,36 @@ def weighted_values(
         weights = torch.cat(weights, dim=2)  # (B, H, T, S)
         return torch.matmul(weights, value).transpose(1, 2), weights
     return torch.cat(outputs, dim=2).transpose(1, 2), None  # (B, H, T, d) -> (B, T, H, d)
+
+
+def additive_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    score_vector: torch.Tensor,
+    chunk: int | None,
+    output_attentions: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bahdanau's scores `v_h·tanh(q + k)` per head, then the softmax tail above: query `(B, H, T, a)` (already
+    projected, W_q x), key `(B, G, S, a)` (W_k x) and value `(B, G, S, d)` with `G` dividing `H` (query head h reads
+    key/value head h // (H / G)), `score_vector` `(H, a)`, `attention_mask` a `BlockwiseCausalMask` (causal or not).
+    Returns `(B, T, H, d)` and the weights `(B, H, T, S)` or None. No scaling: the score is a network, not a dot
+    product. `chunk` queries at a time (None: all at once)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # one key/value head per query head
+
+    def scores_of(start: int, end: int, visible: int) -> torch.Tensor:
+        # (B, H, C, 1, a) + (B, H, 1, K, a) -> (B, H, C, K, a); tanh in place: its backward needs only its output
+        hidden = (query[:, :, start:end, None, :] + key[:, :, None, :visible, :]).tanh_()
+        # (B, H, C·K, a) @ (H, a, 1) -> (B, H, C, K): one batched matmul over the block as it lies in memory
+        # (an einsum over the same axes measured 7% slower per training step)
+        scores = torch.matmul(hidden.flatten(2, 3), score_vector[:, :, None]).view(hidden.shape[:4])
+        scores += attention_mask.additive(start, end, scores.dtype, k_end=visible)
+        return scores
+
+    # causal: keys after a chunk's last query are never seen (past_length given) and are skipped
+    return chunked_softmax_attention(
+        module, scores_of, value, query.shape[2], chunk, attention_mask.past_for_chunks, output_attentions
+    )

@@ -24,6 +24,7 @@ from .compat_zoo import CACHE_KWARG, ZooConfigBase
 POSITION_EMBEDDING_TYPES = ("rope", "alibi", "sinusoidal", "learned", "none")
 NORM_TYPES = ("rmsnorm", "layernorm")
 MLP_TYPES = ("gated", "plain")
+CROSS_ATTENTIONS = ("dot", "additive")
 
 # The backbone of each preset size; a variant's presets add its own fields (`sized`).
 BACKBONE_SIZES = {
@@ -98,6 +99,27 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             and the loss together in chunks, never holding the `(tokens, vocab)` logits (less memory and time for
             large vocabularies; `logits` is then None, with a one-time warning). Off by default, so that a forward
             with labels returns logits in training as every transformers causal LM does.
+
+    Sequence to sequence (one config class serves both shapes, as BART's does):
+        is_encoder_decoder (`bool`): build the encoder-decoder (`AutoModelForSeq2SeqLM` gives
+            `Zoo<Variant>ForConditionalGeneration`): an encoder of the variant's bidirectional form, a decoder of its
+            causal form with cross-attention. False (the default) is the decoder-only language model.
+        encoder_layers, decoder_layers (`int`, *optional*): layers of the encoder and of the decoder; default
+            `num_hidden_layers`.
+        decoder_start_token_id (`int`, *optional*): the first decoder input, before any target token (labels are
+            shifted right behind it).
+        is_decoder (`bool`): True (the default: a zoo model is a decoder) builds the causal form; False the
+            variant's bidirectional form, an encoder, as transformers' `EncoderDecoderModel` asks of the model it
+            puts under a decoder (`from_encoder_decoder_pretrained` sets it so).
+        add_cross_attention (`bool`): every decoder layer also attends to `encoder_hidden_states`, another model's
+            encoder outputs (a decoder under `EncoderDecoderModel`).
+        cross_attention (`str`): the cross-attention's score: `"dot"` (scaled dot product, `num_attention_heads`
+            query heads sharing `cross_attention_num_key_value_heads` key/value heads: MHA, GQA or MQA) or
+            `"additive"` (Bahdanau's `v·tanh(W_q q + W_k k)` per head, `cross_attention_additive_dim` wide).
+        cross_attention_num_key_value_heads (`int`, *optional*): key/value heads of the cross-attention; default
+            `num_attention_heads`.
+        cross_attention_additive_dim (`int`, *optional*): width of the additive cross-attention's tanh layer; default
+            `head_dim`.
     """
 
     model_type = "zoo"
@@ -142,6 +164,14 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     fuse_linear_cross_entropy: bool = False
+    encoder_layers: int | None = None
+    decoder_layers: int | None = None
+    decoder_start_token_id: int | None = None
+    is_decoder: bool = True
+    add_cross_attention: bool = False
+    cross_attention: str = "dot"
+    cross_attention_num_key_value_heads: int | None = None
+    cross_attention_additive_dim: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and _is_positive_int(self.hidden_size):
@@ -156,6 +186,13 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
                     f"(the attention width is then num_attention_heads * head_dim)."
                 )
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.is_encoder_decoder:
+            self.encoder_layers = self.num_hidden_layers if self.encoder_layers is None else self.encoder_layers
+            self.decoder_layers = self.num_hidden_layers if self.decoder_layers is None else self.decoder_layers
+        if self.cross_attention_num_key_value_heads is None:
+            self.cross_attention_num_key_value_heads = self.num_attention_heads
+        if self.cross_attention_additive_dim is None:
+            self.cross_attention_additive_dim = self.head_dim
         super().__post_init__(**kwargs)
         self.validate()
 
@@ -168,6 +205,7 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
         """Run transformers' own checks, then the zoo's; raises `ValueError` naming the field and the fix."""
         super().validate()
         self._check_backbone()
+        self._check_cross_attention()
         self._check_variant()
 
     def _check_backbone(self) -> None:
@@ -223,6 +261,38 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}.")
+
+    @property
+    def has_cross_attention(self) -> bool:
+        """Whether decoder layers of this config attend to an encoder (their own encoder, or another model's)."""
+        return bool(self.is_encoder_decoder or self.add_cross_attention)
+
+    def _check_cross_attention(self) -> None:
+        for name in ("encoder_layers", "decoder_layers"):
+            value = getattr(self, name)
+            if value is not None and not _is_positive_int(value):
+                raise ValueError(f"{name} must be a positive integer (or unset: num_hidden_layers), got {value!r}.")
+        check_choice("cross_attention", self.cross_attention, CROSS_ATTENTIONS)
+        heads = self.cross_attention_num_key_value_heads
+        if not _is_positive_int(heads) or self.num_attention_heads % heads != 0:
+            divisors = [g for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0]
+            raise ValueError(
+                f"cross_attention_num_key_value_heads={heads!r} must divide num_attention_heads="
+                f"{self.num_attention_heads} (query head h reads cross-attention key/value head h // (H / G)); use "
+                f"one of {divisors}."
+            )
+        if not _is_positive_int(self.cross_attention_additive_dim):
+            raise ValueError(
+                f"cross_attention_additive_dim must be a positive integer (the width of the additive "
+                f"cross-attention's tanh layer), got {self.cross_attention_additive_dim!r}."
+            )
+        start = self.decoder_start_token_id
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+            raise ValueError(f"decoder_start_token_id must be a token id (an integer >= 0), got {start!r}.")
+        if start is not None and start >= self.vocab_size:
+            raise ValueError(
+                f"decoder_start_token_id={start} is not a token of the vocabulary (vocab_size={self.vocab_size})."
+            )
 
     def _check_rope_parameters(self) -> None:
         """RoPE parameters belong to RoPE configurations only. transformers gives every config that declares the

@@ -42,6 +42,7 @@ from .heads_zoo import variant_heads
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import ZooModel, ZooRMSNorm
 from .positions_zoo import apply_rotary
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooDifferentialConfig(ZooConfig):
@@ -176,3 +177,4 @@ class ZooDifferentialModel(ZooModel):
     ZooDifferentialForTokenClassification,
     ZooDifferentialForQuestionAnswering,
 ) = variant_heads(ZooDifferentialModel)
+ZooDifferentialSeq2SeqModel, ZooDifferentialForConditionalGeneration = seq2seq_classes(ZooDifferentialModel)

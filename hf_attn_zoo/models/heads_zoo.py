@@ -24,7 +24,11 @@ from transformers.modeling_layers import (
     GenericForSequenceClassification,
     GenericForTokenClassification,
 )
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithCrossAttentions,
+    CausalLMOutputWithPast,
+)
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 
@@ -136,6 +140,11 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             base.causal_lm_class = cls
 
     def __init__(self, config: ZooConfig) -> None:
+        if not config.is_decoder and not config.is_encoder_decoder:
+            raise ValueError(
+                f"is_decoder=False builds {config.model_type}'s bidirectional form (an encoder), which cannot be a "
+                f"causal language model: leave is_decoder=True, or load the encoder with AutoModel."
+            )
         self._build_base_model(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -210,8 +219,10 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,  # consumed by @can_return_tuple: False returns a tuple
         logits_to_keep: int | torch.Tensor = 0,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | CausalLMOutputWithCrossAttentions:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Targets for the next-token loss; they are shifted inside, and -100 is ignored. With
@@ -219,7 +230,13 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             (with gradients) and `logits` is None.
         logits_to_keep (`int` or `torch.Tensor`, *optional*):
             Compute logits for the last `logits_to_keep` positions only (0 keeps all), or for the given indices.
+        encoder_hidden_states, encoder_attention_mask (*optional*):
+            Another model's encoder outputs and the source's padding mask, for a model built with
+            `add_cross_attention=True` (a decoder under `EncoderDecoderModel`).
         """
+        if encoder_hidden_states is not None or encoder_attention_mask is not None:
+            kwargs["encoder_hidden_states"] = encoder_hidden_states
+            kwargs["encoder_attention_mask"] = encoder_attention_mask
         for name, flag in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
             if flag is not None:
                 kwargs[name] = flag
@@ -250,13 +267,16 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             logits = self.lm_head(hidden_states)  # (B, T_kept, vocab)
             if labels is not None:
                 loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            **{CACHE_KWARG: returned_cache(outputs)},
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        fields = {
+            "loss": loss,
+            "logits": logits,
+            CACHE_KWARG: returned_cache(outputs),
+            "hidden_states": outputs.hidden_states,
+            "attentions": outputs.attentions,
+        }
+        if self.model.cross_attention_class is None:
+            return CausalLMOutputWithPast(**fields)
+        return CausalLMOutputWithCrossAttentions(**fields, cross_attentions=outputs.cross_attentions)
 
 
 HEAD_KINDS = (ZooForCausalLM, ZooForSequenceClassification, ZooForTokenClassification, ZooForQuestionAnswering)

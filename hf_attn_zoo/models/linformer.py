@@ -9,7 +9,8 @@ K̄_t[j] = sum over s <= t of E[j, s]·k_s, and V̄_t likewise with F; at t = n 
 computed chunk by chunk: the running (K̄, V̄) of earlier chunks plus exact prefix sums inside the chunk, in
 O(T·(k + chunk)·d) time and O(chunk·(k + chunk)) memory. Decoding keeps only (K̄, V̄): the cache is a state of
 2·L·G·k·d_h values whatever the length, with nothing added per token. `is_causal=False` is the paper's form
-(K̄ = E·K over the whole input), which cannot generate.
+(K̄ = E·K over the whole input), which cannot generate; an encoder of an encoder-decoder uses it whatever
+`is_causal` says (the decoder the causal form, so `is_causal=False` is refused there).
 
 Sharing (`linformer_sharing`, the paper's section 4): "none" (E and F per layer and key/value head), "headwise" (one
 E and one F per layer), "key_value" (one E = F per layer), "layerwise" (one E = F for the whole model). E and F are
@@ -36,6 +37,7 @@ from .heads_zoo import ZooForCausalLM, variant_heads
 from .masks_zoo import TokenMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import ZooModel, ZooModule
+from .seq2seq_zoo import seq2seq_classes
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")
 
@@ -65,6 +67,12 @@ class ZooLinformerConfig(ZooChunkedConfig):
         check_choice("linformer_sharing", self.linformer_sharing, LINFORMER_SHARING)
         if not isinstance(self.is_causal, bool):
             raise ValueError(f"is_causal must be True (causal form) or False (the paper's), got {self.is_causal!r}.")
+        if self.is_causal is False and self.has_cross_attention:
+            raise ValueError(
+                "is_causal=False is the paper's bidirectional form, which cannot decode, but this config builds a "
+                "decoder (is_encoder_decoder or add_cross_attention): leave is_causal=True; an encoder-decoder's "
+                "encoder uses the paper's form anyway."
+            )
 
 
 class LinformerProjection(ZooModule):
@@ -154,6 +162,10 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         for layer in model.layers:
             layer.self_attn.borrowed_projection = (model.shared_projection,)
 
+    @classmethod
+    def bidirectional_refusal(cls, config: ZooLinformerConfig) -> str | None:
+        return None  # the paper's form (`_bidirectional`), which reads `TokenMask.causal`
+
     @property
     def linformer_projection(self) -> LinformerProjection:
         return self.projection if self.projection is not None else self.borrowed_projection[0]
@@ -169,7 +181,7 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
         documents = attention_mask.documents
         layer = state_layer(cache, self.layer_idx, self.config.model_type)
         weights = None
-        if self.config.is_causal:
+        if self.config.is_causal and attention_mask.causal:
             state = layer and layer.read()
             output, state = self._causal(query, key, value, key_columns, value_columns, state, documents)
         else:
@@ -303,3 +315,4 @@ class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
     ZooLinformerForTokenClassification,
     ZooLinformerForQuestionAnswering,
 ) = variant_heads(ZooLinformerModel)
+ZooLinformerSeq2SeqModel, ZooLinformerForConditionalGeneration = seq2seq_classes(ZooLinformerModel)

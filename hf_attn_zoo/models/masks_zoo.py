@@ -6,8 +6,13 @@
 - `"tokens"`: a `TokenMask` (which new tokens are real, which document of a packed row each belongs to), for kernels
   that keep running sums instead of scores.
 
-Every kind keeps the documents of a packed row apart, by transformers' own rule (`packed_documents`). This module
-travels with every checkpoint (remote code): it imports only torch, transformers and flat siblings.
+Every kind keeps the documents of a packed row apart, by transformers' own rule (`packed_documents`).
+
+An encoder's layers get the same kinds in their bidirectional form (`encoder_mask_for`): transformers' bidirectional
+mask for the dense kind (a two-sided band of `window(config)` keys where the variant has a window, ALiBi's bias over
+the absolute distance), a `BlockwiseCausalMask` with `causal=False`, a `TokenMask` with `causal=False`. Source padding
+is a key mask there and in cross-attention (`cross_attention_mask`). This module travels with every checkpoint
+(remote code): it imports only torch, transformers and flat siblings.
 """
 
 from dataclasses import dataclass
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 from transformers.cache_utils import Cache
-from transformers.masking_utils import find_packed_sequence_indices
+from transformers.masking_utils import create_bidirectional_mask, find_packed_sequence_indices
 
 from .compat_zoo import build_mask, cache_mask_sizes
 from .configuration_zoo import ZooConfig
@@ -28,7 +33,9 @@ class BlockwiseCausalMask:
     rectangle of (query rows, key columns) at a time, so that kernels which walk over query chunks never hold the
     (T, S) matrix.
 
-    Query i (0-based among the T new tokens) is key `past_length + i` of the S visible keys.
+    Query i (0-based among the T new tokens) is key `past_length + i` of the S visible keys. With `causal=False` (an
+    encoder, a cross-attention) a query sees every key but padding, within `sliding_window` on either side, and
+    ALiBi's bias falls with the absolute distance.
     """
 
     key_length: int  # S
@@ -39,6 +46,13 @@ class BlockwiseCausalMask:
     query_positions: torch.LongTensor | None = None  # (B, T) true positions, for ALiBi
     key_positions: torch.LongTensor | None = None  # (B, S)
     documents: torch.LongTensor | None = None  # (B, S) document of each key in a packed row; None: one per row
+    causal: bool = True
+
+    @property
+    def past_for_chunks(self) -> int | None:
+        """The `past_length` chunked kernels read (a chunk sees the keys up to its last query), or None when every
+        query sees every key (`causal=False`)."""
+        return self.past_length if self.causal else None
 
     def allowed(
         self, q_start: int, q_end: int, k_start: int = 0, k_end: int | None = None, fill_empty_rows: bool = True
@@ -50,9 +64,14 @@ class BlockwiseCausalMask:
         device = self.key_padding.device if self.key_padding is not None else None
         queries = torch.arange(q_start, q_end, device=device)[:, None] + self.past_length  # (C, 1) key index of query
         keys = torch.arange(k_start, k_end, device=device)[None, :]  # (1, K)
-        allowed = keys <= queries
-        if self.sliding_window is not None:
-            allowed = allowed & (keys > queries - self.sliding_window)
+        if self.causal:
+            allowed = keys <= queries
+            if self.sliding_window is not None:
+                allowed = allowed & (keys > queries - self.sliding_window)
+        else:  # every key, within the window on either side
+            allowed = torch.ones(queries.shape[0], keys.shape[1], dtype=torch.bool, device=queries.device)
+            if self.sliding_window is not None:
+                allowed = (keys - queries).abs() < self.sliding_window
         allowed = allowed[None, None]  # (1, 1, C, K)
         if self.key_padding is not None:
             allowed = allowed & self.key_padding[:, None, None, k_start:k_end]
@@ -71,6 +90,7 @@ class BlockwiseCausalMask:
         if self.alibi_slopes is not None:
             k_end = self.key_length if k_end is None else k_end
             distance = self.query_positions[:, q_start:q_end, None] - self.key_positions[:, None, k_start:k_end]
+            distance = distance if self.causal else distance.abs()  # (B, C, K)
             bias = (-self.alibi_slopes.view(1, -1, 1, 1) * distance[:, None]).to(dtype)  # (B, H, C, K)
         return torch.where(allowed, bias, torch.finfo(dtype).min)
 
@@ -82,6 +102,7 @@ class TokenMask:
 
     padding: torch.Tensor | None = None  # (B, T) bool, True for real tokens; None when nothing is padded
     documents: torch.LongTensor | None = None  # (B, T) document of each token in a packed row; None: one per row
+    causal: bool = True  # False: each token reads every real token of the row (an encoder)
 
 
 def has_padding(attention_mask: torch.Tensor | None) -> bool:
@@ -211,3 +232,85 @@ def blockwise_mask(
         no_past = cache is None
         mask.key_positions = mask.query_positions if no_past else key_positions(mask.query_positions, mask.past_length)
     return mask
+
+
+def encoder_mask_for(
+    attention_class,
+    config: ZooConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.LongTensor,
+) -> torch.Tensor | BlockwiseCausalMask | TokenMask | None:
+    """What every encoder layer of a model built around `attention_class` receives: the bidirectional form of the
+    variant's mask kind (`mask_type`; the encoder never switches kernels by length), source padding as a key mask.
+    Packed rows are not read in an encoder: a source is one sequence."""
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(
+            f"the encoder of {config.model_type} takes a 2D padding mask (batch, source length), got a "
+            f"{attention_mask.ndim}D attention_mask."
+        )
+    window = attention_class.window(config)
+    alibi = config.position_embedding_type == "alibi"
+    if attention_class.mask_type == "dense":
+        band = None
+        if window is not None:
+
+            def band(batch_idx, head_idx, q_idx, kv_idx):  # a two-sided band: |i - j| < w, itself included
+                return (q_idx - kv_idx).abs() < window
+
+        mask = create_bidirectional_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            and_mask_function=band,
+            allow_is_bidirectional_skip=not alibi,  # ALiBi needs the mask materialised to carry its bias
+        )
+        if not alibi:
+            return mask
+        positions = position_ids.expand(inputs_embeds.shape[0], -1)  # (B, T)
+        distance = (positions[:, None, :, None] - positions[:, None, None, :]).abs()  # (B, 1, T, T)
+        slopes = torch.tensor(alibi_slopes(config.num_attention_heads), device=mask.device, dtype=torch.float32)
+        bias = -slopes.view(1, -1, 1, 1) * distance  # (B, H, T, T)
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        return torch.where(allowed, bias, torch.finfo(inputs_embeds.dtype).min).to(inputs_embeds.dtype)
+    padding = attention_mask.bool() if has_padding(attention_mask) else None  # (B, T)
+    if attention_class.mask_type == "tokens":
+        return TokenMask(padding=padding, causal=False)
+    length = inputs_embeds.shape[1]
+    mask = BlockwiseCausalMask(
+        key_length=length, past_length=0, key_padding=padding, sliding_window=window, causal=False
+    )
+    if alibi:
+        mask.alibi_slopes = torch.tensor(
+            alibi_slopes(config.num_attention_heads), device=inputs_embeds.device, dtype=torch.float32
+        )
+        mask.query_positions = mask.key_positions = position_ids.expand(inputs_embeds.shape[0], -1)
+    return mask
+
+
+def cross_attention_mask(
+    mask_kind: str,
+    config: ZooConfig,
+    inputs_embeds: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_attention_mask: torch.Tensor | None,
+) -> torch.Tensor | BlockwiseCausalMask | None:
+    """The mask of a cross-attention from the decoder's `inputs_embeds` `(B, T, d)` to `encoder_hidden_states`
+    `(B, S, d)`: every query sees every real source token. `"dense"`: transformers' bidirectional mask for the
+    backend (None when nothing is padded); `"blockwise"`: a `BlockwiseCausalMask` with `causal=False`."""
+    if encoder_attention_mask is not None and encoder_attention_mask.ndim != 2:
+        raise ValueError(
+            f"encoder_attention_mask must be the 2D padding mask of the source (batch, source length), got a "
+            f"{encoder_attention_mask.ndim}D tensor."
+        )
+    if mask_kind == "dense":
+        return create_bidirectional_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )
+    padding = encoder_attention_mask.bool() if has_padding(encoder_attention_mask) else None  # (B, S)
+    return BlockwiseCausalMask(
+        key_length=encoder_hidden_states.shape[1], past_length=0, key_padding=padding, causal=False
+    )

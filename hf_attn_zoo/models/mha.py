@@ -31,6 +31,7 @@ from .configuration_zoo import HEADS, ZooConfig, sized
 from .heads_zoo import variant_heads
 from .modeling_zoo import BACKENDS, ZooAttention, ZooModel
 from .positions_zoo import apply_rotary
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooMultiHeadAttention(ZooAttention):
@@ -236,6 +237,7 @@ class ZooMHAModel(ZooMHAFamilyModel):
 ZooMHAForCausalLM, ZooMHAForSequenceClassification, ZooMHAForTokenClassification, ZooMHAForQuestionAnswering = (
     variant_heads(ZooMHAModel)
 )
+ZooMHASeq2SeqModel, ZooMHAForConditionalGeneration = seq2seq_classes(ZooMHAModel)
 
 
 class ZooGQAModel(ZooMHAFamilyModel):
@@ -245,6 +247,7 @@ class ZooGQAModel(ZooMHAFamilyModel):
 ZooGQAForCausalLM, ZooGQAForSequenceClassification, ZooGQAForTokenClassification, ZooGQAForQuestionAnswering = (
     variant_heads(ZooGQAModel)
 )
+ZooGQASeq2SeqModel, ZooGQAForConditionalGeneration = seq2seq_classes(ZooGQAModel)
 
 
 class ZooMQAModel(ZooMHAFamilyModel):
@@ -254,6 +257,7 @@ class ZooMQAModel(ZooMHAFamilyModel):
 ZooMQAForCausalLM, ZooMQAForSequenceClassification, ZooMQAForTokenClassification, ZooMQAForQuestionAnswering = (
     variant_heads(ZooMQAModel)
 )
+ZooMQASeq2SeqModel, ZooMQAForConditionalGeneration = seq2seq_classes(ZooMQAModel)
 
 
 class ZooSingleHeadModel(ZooMHAFamilyModel):
@@ -266,3 +270,4 @@ class ZooSingleHeadModel(ZooMHAFamilyModel):
     ZooSingleHeadForTokenClassification,
     ZooSingleHeadForQuestionAnswering,
 ) = variant_heads(ZooSingleHeadModel)
+ZooSingleHeadSeq2SeqModel, ZooSingleHeadForConditionalGeneration = seq2seq_classes(ZooSingleHeadModel)

@@ -49,6 +49,7 @@ from .heads_zoo import variant_heads
 from .mha import backend_attention
 from .modeling_zoo import ZooAttention, ZooModel, ZooRMSNorm
 from .positions_zoo import apply_rotary
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooMLAConfig(ZooConfig):
@@ -347,3 +348,4 @@ class ZooMLAModel(ZooModel):
 ZooMLAForCausalLM, ZooMLAForSequenceClassification, ZooMLAForTokenClassification, ZooMLAForQuestionAnswering = (
     variant_heads(ZooMLAModel)
 )
+ZooMLASeq2SeqModel, ZooMLAForConditionalGeneration = seq2seq_classes(ZooMLAModel)

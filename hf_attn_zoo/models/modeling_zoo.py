@@ -3,7 +3,10 @@
 A variant contributes its attention module, a `ZooAttention` subclass; everything else is here, in the order of a
 forward pass: norms, the MLP, the attention protocol, the pre-norm decoder layer, the shared model class
 (initialisation, loading, saving) and `ZooModel` (embeddings, positions, masks, layers, final norm); the heads on it
-(causal LM, sequence and token classification, question answering) are in `heads_zoo.py`. Module layout and parameter
+(causal LM, sequence and token classification, question answering) are in `heads_zoo.py`. The same `ZooModel` is the
+encoder of an encoder-decoder (`role="encoder"`: the variant's bidirectional form) and its decoder (`role="decoder"`:
+the causal form with a cross-attention in every layer, `cross_attention_zoo.py`); `seq2seq_zoo.py` puts the two
+together. Module layout and parameter
 names are Llama's (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`,
 `lm_head`), so a Llama state dict loads unchanged into the MHA family.
 
@@ -19,6 +22,7 @@ transformers releases (`compat_zoo.py`) are flat siblings. This module is copied
 them (remote code), so it imports only torch, transformers and those siblings.
 """
 
+import copy
 import functools
 import math
 from typing import ClassVar
@@ -28,12 +32,13 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.configuration_utils import PreTrainedConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GradientCheckpointingLayer,
 )
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPastAndCrossAttentions
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, logging
@@ -50,7 +55,8 @@ from .compat_zoo import (
     takes_past_key_values,
 )
 from .configuration_zoo import ZooConfig
-from .masks_zoo import attention_mask_for
+from .cross_attention_zoo import ZooCrossAttention, cross_attention_class
+from .masks_zoo import attention_mask_for, cross_attention_mask, encoder_mask_for
 from .positions_zoo import ZooRotaryEmbedding, default_position_ids, sinusoidal_embedding
 
 __all__ = [
@@ -231,6 +237,20 @@ class ZooAttention(ZooModule):
         return None
 
     @classmethod
+    def bidirectional_refusal(cls, config: ZooConfig) -> str | None:
+        """Why the variant has no bidirectional form for an encoder (a sentence naming the variant), or None when it
+        has one. The dense and blockwise mask kinds carry the direction in the mask (`masks_zoo.encoder_mask_for`),
+        so kernels that read their mask need nothing more; a kernel of running sums reads a `TokenMask` and must
+        declare that it honours `TokenMask.causal=False`."""
+        if cls.mask_type in ("dense", "blockwise"):
+            return None
+        return (
+            f"{config.model_type} has no bidirectional form: its kernel keeps causal running sums, so it cannot be "
+            f"the encoder of an encoder-decoder; use it as the decoder of an EncoderDecoderModel (is_decoder=True, "
+            f"add_cross_attention=True) under another encoder, or choose a variant with one (mha, gqa, linformer ...)."
+        )
+
+    @classmethod
     def backend_refusal(cls, config: ZooConfig, backend: str) -> str:
         """Why `backend`, one of transformers' attention functions this kernel does not declare, cannot run it."""
         if cls.backends == ("eager",):
@@ -269,20 +289,42 @@ class ZooAttention(ZooModule):
 
 
 class ZooDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`, each branch with residual dropout."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`, each branch with residual dropout.
 
-    sized_by: ClassVar[dict[str, str]] = {"input_layernorm": "hidden_size", "post_attention_layernorm": "hidden_size"}
+    With `cross_attention` (a decoder of an encoder-decoder) a third branch sits between the two, as in Vaswani et
+    al. 2017: `x + encoder_attn(encoder_attn_layer_norm(x), encoder outputs)`. With `causal=False` (an encoder layer)
+    the self-attention is told so (`is_causal`, which transformers' sdpa reads when no mask is needed); its mask
+    carries the rest."""
 
-    def __init__(self, config: ZooConfig, layer_idx: int, attention_class: type[ZooAttention]) -> None:
+    sized_by: ClassVar[dict[str, str]] = {
+        "input_layernorm": "hidden_size",
+        "post_attention_layernorm": "hidden_size",
+        "encoder_attn_layer_norm": "hidden_size",
+    }
+
+    def __init__(
+        self,
+        config: ZooConfig,
+        layer_idx: int,
+        attention_class: type[ZooAttention],
+        cross_attention: bool = False,
+        causal: bool = True,
+    ) -> None:
         super().__init__()
         self.input_layernorm = make_norm(config)
         self.self_attn = attention_class(config, layer_idx)
+        if not causal:
+            self.self_attn.is_causal = False
+        self.encoder_attn_layer_norm = make_norm(config) if cross_attention else None
+        self.encoder_attn = cross_attention_class(config)(config, layer_idx) if cross_attention else None
         self.post_attention_layernorm = make_norm(config)
         self.mlp = ZooMLP(config)
         self.hidden_dropout = config.hidden_dropout
-        # the two projections that write into the residual stream: `_init_weights` gives them GPT-2's scaled init
+        # the projections that write into the residual stream: `_init_weights` gives them GPT-2's scaled init
         for projection in (self.self_attn.o_proj, self.mlp.down_proj):
             projection.writes_residual = True
+        if self.encoder_attn is not None:
+            self.encoder_attn.o_proj.writes_residual = True
 
     @takes_past_key_values
     def forward(
@@ -291,8 +333,14 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         attention_mask=None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        cross_attention_mask=None,
+        cross_cache: EncoderDecoderCache | None = None,
+        cross_attentions: list | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        """`cache` is the self-attention's (an `EncoderDecoderCache`'s `self_attention_cache`); the cross-attention
+        reads and fills `cross_cache`, and appends its weights to `cross_attentions` when that list is given."""
         # keywords, as Llama's layer passes them: hooks registered `with_kwargs` (kvpress) find `hidden_states`, and
         # the cache under this transformers release's name for it
         attn_output, _ = self.self_attn(
@@ -303,6 +351,17 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
             **kwargs,
         )
         hidden_states = hidden_states + self._dropout(attn_output)
+        if self.encoder_attn is not None:
+            cross_output, weights = self.encoder_attn(
+                self.encoder_attn_layer_norm(hidden_states),
+                encoder_hidden_states,
+                cross_attention_mask,
+                cross_cache,
+                output_attentions=cross_attentions is not None,
+            )
+            hidden_states = hidden_states + self._dropout(cross_output)
+            if cross_attentions is not None:
+                cross_attentions.append(weights)
         return hidden_states + self._dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -341,7 +400,7 @@ class ZooPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, ZooModule):
+        if isinstance(module, (ZooModule, ZooCrossAttention)):
             module.init_parameters(self.config)
         # GPT-2: the projections writing into the residual stream start smaller, std / sqrt(2L), so the variance of
         # the stream does not grow with depth. Decided on the projection itself, not on its decoder layer:
@@ -356,12 +415,15 @@ class ZooPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
         """`PreTrainedModel.save_pretrained`, plus an `auto_map` naming every class of the variant and the model
         card (README.md, with `training` details, or `card_details`, when given; a card already in the folder is
         kept)."""
-        base = type(self) if isinstance(self, ZooModel) else self.base_model_class
-        self.config.auto_map = auto_map_for(base)
+        self.config.auto_map = self.checkpoint_auto_map()
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", args[0] if args else True):
             write_card(save_directory, self.config, training if training is not None else self.card_details)
         return result
+
+    def checkpoint_auto_map(self) -> dict[str, str]:
+        """The `auto_map` a checkpoint of this model carries: every class of the variant, for remote code."""
+        return auto_map_for(type(self) if isinstance(self, ZooModel) else self.base_model_class)
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         # `push_to_hub` overwrites the README.md `save_pretrained` wrote, with the repo's card or, for a repo without
@@ -387,10 +449,18 @@ def returns_output_to_its_head(forward):
 
 class ZooModel(ZooPreTrainedModel):
     """Embeddings, `num_hidden_layers` decoder layers built around `attention_class`, and the final norm. A variant's
-    subclass names its `config_class` and `attention_class`; transformers' backend flags follow from the latter."""
+    subclass names its `config_class` and `attention_class`; transformers' backend flags follow from the latter.
+
+    `role` is set by an encoder-decoder only (`seq2seq_zoo`): `"encoder"` builds `encoder_layers` layers of the
+    variant's bidirectional form, `"decoder"` `decoder_layers` causal layers with cross-attention. Without it the
+    model is the decoder-only language model, with cross-attention when the config says `add_cross_attention` (a
+    decoder under another model's encoder, `EncoderDecoderModel`), or that model's encoder when the config says
+    `is_decoder=False` (transformers' flag for the bidirectional form). A config with `is_encoder_decoder=True` is
+    refused there, naming the encoder-decoder classes (`AutoModel` and `from_config` hand it to them)."""
 
     attention_class: type[ZooAttention]
     causal_lm_class = None  # the variant's ZooForCausalLM subclass, set by `ZooHead.__init_subclass__`
+    seq2seq_model_class = None  # the variant's encoder-decoder base model, set by `seq2seq_zoo`
     heads: ClassVar[dict[str, type]] = {}  # auto class name -> this variant's head of that kind (a `ZooHead`)
     inside_head = False  # set on the instance a head builds (see `returns_output_to_its_head`)
     sized_by: ClassVar[dict[str, str]] = {
@@ -413,8 +483,23 @@ class ZooModel(ZooPreTrainedModel):
             cls._supports_attention_backend = len(attention.backends) > 1  # goes through ALL_ATTENTION_FUNCTIONS
             cls._can_compile_fullgraph = attention.compiles_fullgraph
 
-    def __init__(self, config: ZooConfig) -> None:
+    def __init__(self, config: ZooConfig, role: str | None = None) -> None:
+        if role is None and config.is_encoder_decoder:
+            raise ValueError(self.encoder_decoder_refusal(config))
+        if role is None and not config.is_decoder:
+            role = "encoder" if not config.add_cross_attention else None  # a cross-attending model is a decoder
+        if role not in (None, "encoder", "decoder"):
+            raise ValueError(
+                f"role={role!r}: a ZooModel is built as an 'encoder', a 'decoder' or (None) decoder-only."
+            )
+        if role == "encoder" and (refusal := self.attention_class.bidirectional_refusal(config)) is not None:
+            raise ValueError(refusal)
         super().__init__(config)
+        self.is_encoder = role == "encoder"
+        num_layers = config.num_hidden_layers
+        if config.is_encoder_decoder:  # encoder_layers / decoder_layers, unless unset (switched after construction)
+            num_layers = getattr(config, f"{role}_layers") or num_layers
+        has_cross = role == "decoder" or (role is None and config.add_cross_attention)
         self.padding_idx = config.pad_token_id
         # read once: config attribute access is slow, and the forward runs once per generated token
         self.position_embedding_type = position_type = config.position_embedding_type
@@ -428,8 +513,12 @@ class ZooModel(ZooPreTrainedModel):
             ZooRotaryEmbedding(config, self.attention_class.rotary_dim(config)) if position_type == "rope" else None
         )
         self.layers = nn.ModuleList(
-            [ZooDecoderLayer(config, layer_idx, self.attention_class) for layer_idx in range(config.num_hidden_layers)]
+            [
+                ZooDecoderLayer(config, layer_idx, self.attention_class, has_cross, causal=not self.is_encoder)
+                for layer_idx in range(num_layers)
+            ]
         )
+        self.cross_attention_class = cross_attention_class(config) if has_cross else None
         self.norm = make_norm(config)
         self.gradient_checkpointing = False
         self.attention_class.share_across_layers(self)
@@ -437,10 +526,48 @@ class ZooModel(ZooPreTrainedModel):
 
     def make_cache(self) -> Cache:
         """The cache `forward` (and `generate`) starts when none is given: transformers' key/value layers
-        (sliding-window ones when the config has `sliding_window`), or the variant's state layers."""
+        (sliding-window ones when the config has `sliding_window`), or the variant's state layers; with
+        cross-attention, that as the self-attention cache of an `EncoderDecoderCache` whose cross-attention cache
+        (plain key/value layers, whatever the variant) the first step fills."""
+        num_layers = len(self.layers)
         if self.attention_class.decodes_from_state():
-            return ZooStateCache(self.config.num_hidden_layers, self.attention_class.cache_layer)
-        return DynamicCache(config=self.config)
+            cache = ZooStateCache(num_layers, self.attention_class.cache_layer)
+        else:
+            config = self.config
+            if num_layers != config.num_hidden_layers:  # a decoder of `decoder_layers`: transformers sizes by this
+                config = copy.copy(config)
+                config.num_hidden_layers = num_layers
+            cache = DynamicCache(config=config)
+        return cache if self.cross_attention_class is None else EncoderDecoderCache(cache, DynamicCache())
+
+    @classmethod
+    def encoder_decoder_refusal(cls, config: ZooConfig) -> str:
+        names = "its encoder-decoder classes"
+        if cls.seq2seq_model_class is not None:
+            names = (
+                f"{cls.seq2seq_model_class.__name__} (AutoModel) or "
+                f"{cls.seq2seq_model_class.generation_class.__name__} (AutoModelForSeq2SeqLM)"
+            )
+        return (
+            f"this {config.model_type} config has is_encoder_decoder=True, which {cls.__name__} (the decoder-only "
+            f"model, and the causal LM over it) does not build: load it with {names}, or set is_encoder_decoder=False "
+            f"for a decoder-only language model."
+        )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """As `ZooPreTrainedModel.from_pretrained`; an encoder-decoder checkpoint's config (`AutoModel` passes it)
+        loads the variant's encoder-decoder base model, as `AutoModel` gives BART's for a BART checkpoint."""
+        config = kwargs.get("config")
+        if isinstance(config, PreTrainedConfig) and config.is_encoder_decoder and cls.seq2seq_model_class is not None:
+            return cls.seq2seq_model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config: ZooConfig, **kwargs):
+        if config.is_encoder_decoder and cls.seq2seq_model_class is not None:  # AutoModel.from_config
+            return cls.seq2seq_model_class._from_config(config, **kwargs)
+        return super()._from_config(config, **kwargs)
 
     @takes_past_key_values
     @returns_output_to_its_head
@@ -454,14 +581,33 @@ class ZooModel(ZooPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPast | BaseModelOutputWithPastAndCrossAttentions:
+        r"""
+        encoder_hidden_states (`torch.Tensor` of shape `(batch_size, source_length, hidden_size)`, *optional*):
+            The encoder's outputs, which the cross-attention of every layer reads (a model with cross-attention only;
+            once a cache holds their keys and values they may be left out).
+        encoder_attention_mask (`torch.Tensor` of shape `(batch_size, source_length)`, *optional*):
+            The source's padding mask (1 for real tokens): padded source tokens are never attended to.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
+        if self.is_encoder:
+            return self._encode(inputs_embeds, attention_mask, position_ids, **kwargs)
+        if encoder_hidden_states is not None and self.cross_attention_class is None:
+            raise ValueError(
+                f"encoder_hidden_states were given, but this {self.config.model_type} model has no cross-attention: "
+                f"build it with add_cross_attention=True (and is_decoder=True) to attend to an encoder."
+            )
         if use_cache and cache is None:
             cache = self.make_cache()
+        full_cache, cross_cache = cache, None
+        if isinstance(cache, EncoderDecoderCache):  # the variant's layers see their own; cross-attention the whole
+            cross_cache, cache = cache, cache.self_attention_cache
         if cache is not None:
             self._check_cache(cache)
         add_cache_position(kwargs, cache, inputs_embeds)
@@ -469,24 +615,8 @@ class ZooModel(ZooPreTrainedModel):
             # the cache's length is read only here, as in Llama: continuous batching gives positions with a paged
             # cache that has no single length
             past_length = cache.get_seq_length() if cache is not None else 0
-            count_real_tokens = self.attention_class.reads_positions or self.position_embedding_type in (
-                "alibi",
-                "sinusoidal",
-                "learned",
-            )
-            position_ids = default_position_ids(inputs_embeds, attention_mask, past_length, count_real_tokens)
-
-        hidden_states = inputs_embeds
-        if self.position_embedding_type == "learned":
-            self._check_learned_positions(position_ids)
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-        elif self.position_embedding_type == "sinusoidal":
-            hidden_states = hidden_states + sinusoidal_embedding(
-                position_ids, self.config.hidden_size, hidden_states.dtype
-            )
-        if self.training and self.config.hidden_dropout:
-            hidden_states = F.dropout(hidden_states, self.config.hidden_dropout, training=True)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+            position_ids = default_position_ids(inputs_embeds, attention_mask, past_length, self.counts_real_tokens)
+        hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
 
         # a flag left at None falls back to the config, as in transformers; kernels read the resolved value
         if kwargs.get("output_attentions") is None:
@@ -506,6 +636,11 @@ class ZooModel(ZooPreTrainedModel):
             kwargs["output_attentions"],
         )
 
+        cross = {}
+        if self.cross_attention_class is not None:
+            cross = self._cross_inputs(inputs_embeds, encoder_hidden_states, encoder_attention_mask, cross_cache)
+            cross["cross_attentions"] = [] if kwargs["output_attentions"] else None
+
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(
                 hidden_states,
@@ -513,10 +648,116 @@ class ZooModel(ZooPreTrainedModel):
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 **{CACHE_KWARG: cache},
+                **cross,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
+        if self.cross_attention_class is None:
+            return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
+        weights = cross["cross_attentions"]
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            **{CACHE_KWARG: full_cache},
+            cross_attentions=tuple(weights) if weights is not None else None,
+        )
+
+    def _cross_inputs(
+        self,
+        inputs_embeds: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        encoder_attention_mask: torch.Tensor | None,
+        cross_cache: EncoderDecoderCache | None,
+    ) -> dict:
+        """What every layer's cross-attention reads: the encoder's outputs, their mask, the cache holding their keys
+        and values."""
+        source = encoder_hidden_states
+        if source is None:
+            if cross_cache is None or not cross_cache.is_updated.get(0):
+                raise ValueError(
+                    f"this {self.config.model_type} decoder attends to an encoder: pass encoder_hidden_states (or "
+                    f"encoder_outputs to the encoder-decoder)."
+                )
+            source = cross_cache.cross_attention_cache.layers[0].keys[:, 0]  # (B, S, width): the source's length
+        if source.shape[0] != inputs_embeds.shape[0]:
+            raise ValueError(
+                f"encoder_hidden_states hold {source.shape[0]} sources for {inputs_embeds.shape[0]} target rows; "
+                f"give one source per row."
+            )
+        if encoder_hidden_states is not None and encoder_hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"encoder_hidden_states are {encoder_hidden_states.shape[-1]} wide, but the cross-attention reads "
+                f"hidden_size={self.config.hidden_size}; project them (EncoderDecoderModel's enc_to_dec_proj does) or "
+                f"build the decoder with the encoder's hidden_size."
+            )
+        if encoder_attention_mask is not None and encoder_attention_mask.shape[-1] != source.shape[1]:
+            raise ValueError(
+                f"encoder_attention_mask covers {encoder_attention_mask.shape[-1]} source tokens, but the encoder "
+                f"outputs hold {source.shape[1]}; pass the source's own attention_mask."
+            )
+        mask = cross_attention_mask(
+            self.cross_attention_class.mask_kind, self.config, inputs_embeds, source, encoder_attention_mask
+        )
+        return {
+            "encoder_hidden_states": encoder_hidden_states,
+            "cross_attention_mask": mask,
+            "cross_cache": cross_cache,
+        }
+
+    def _encode(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.LongTensor | None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """The encoder's forward: every layer in the variant's bidirectional form over the whole source, no cache."""
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(inputs_embeds.shape[:2]):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, but the source is "
+                f"{tuple(inputs_embeds.shape[:2])} (batch, source length): pass the source's own padding mask."
+            )
+        if position_ids is None:
+            position_ids = default_position_ids(inputs_embeds, attention_mask, 0, self.counts_real_tokens)
+        hidden_states, position_embeddings = self._add_positions(inputs_embeds, position_ids)
+        if kwargs.get("output_attentions") is None:
+            kwargs["output_attentions"] = self.config.output_attentions
+        mask = encoder_mask_for(self.attention_class, self.config, inputs_embeds, attention_mask, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states))
+
+    @property
+    def counts_real_tokens(self) -> bool:
+        """Whether default positions count real tokens only (absolute positions, ALiBi, kernels that index
+        parameters by position), so that a left-padded row sees what it sees alone."""
+        return self.attention_class.reads_positions or self.position_embedding_type in (
+            "alibi",
+            "sinusoidal",
+            "learned",
+        )
+
+    def _add_positions(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.LongTensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The first layer's input (absolute positions added, embedding dropout) and RoPE's (cos, sin) or None."""
+        hidden_states = inputs_embeds
+        if self.position_embedding_type == "learned":
+            self._check_learned_positions(position_ids)
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        elif self.position_embedding_type == "sinusoidal":
+            hidden_states = hidden_states + sinusoidal_embedding(
+                position_ids, self.config.hidden_size, hidden_states.dtype
+            )
+        if self.training and self.config.hidden_dropout:
+            hidden_states = F.dropout(hidden_states, self.config.hidden_dropout, training=True)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+        return hidden_states, position_embeddings
 
     def _check_cache(self, cache: Cache) -> None:
         """Refuse, before any layer runs, a cache built outside the model that cannot hold this variant's (the

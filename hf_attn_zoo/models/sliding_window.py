@@ -22,6 +22,7 @@ from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import ZooModel
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooSlidingWindowConfig(ZooConfig):
@@ -125,3 +126,4 @@ class ZooSlidingWindowModel(ZooModel):
     ZooSlidingWindowForTokenClassification,
     ZooSlidingWindowForQuestionAnswering,
 ) = variant_heads(ZooSlidingWindowModel)
+ZooSlidingWindowSeq2SeqModel, ZooSlidingWindowForConditionalGeneration = seq2seq_classes(ZooSlidingWindowModel)

@@ -21,6 +21,7 @@ from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import ZooModel
+from .seq2seq_zoo import seq2seq_classes
 
 
 class ZooTopKConfig(ZooChunkedConfig):
@@ -69,9 +70,9 @@ class ZooTopKAttention(ZooMultiHeadAttention):
             kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)  # (B, H, C, K)
             return scores.masked_fill(~kept, float("-inf"))
 
-        # keys after a chunk's last query are never seen: skipped
+        # causal: keys after a chunk's last query are never seen, and skipped
         return chunked_softmax_attention(
-            self, scores_of, value, query.shape[2], chunk, attention_mask.past_length, output_attentions
+            self, scores_of, value, query.shape[2], chunk, attention_mask.past_for_chunks, output_attentions
         )
 
     def _thresholded(self, query, key, value, attention_mask: BlockwiseCausalMask, output_attentions: bool | None):
@@ -110,3 +111,4 @@ class ZooTopKModel(ZooModel):
 ZooTopKForCausalLM, ZooTopKForSequenceClassification, ZooTopKForTokenClassification, ZooTopKForQuestionAnswering = (
     variant_heads(ZooTopKModel)
 )
+ZooTopKSeq2SeqModel, ZooTopKForConditionalGeneration = seq2seq_classes(ZooTopKModel)
