@@ -42,6 +42,7 @@ def test_auto_map_and_files(tmp_path):
         "configuration_zoo.py",
         "cross_attention_zoo.py",
         "heads_zoo.py",
+        "layers_zoo.py",
         "loss_zoo.py",
         "masks_zoo.py",
         "mha.py",

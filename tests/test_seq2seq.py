@@ -14,7 +14,7 @@ from transformers import AutoModel, AutoModelForSeq2SeqLM, BertConfig, BertModel
 
 from hf_attn_zoo.models import SEQ2SEQ, VARIANTS, aft
 from hf_attn_zoo.models.checkpoint_zoo import CheckpointMismatchError
-from hf_attn_zoo.models.modeling_zoo import ZooAttention
+from hf_attn_zoo.models.layers_zoo import ZooAttention
 
 import references
 from conftest import ATOL, CONFORMANCE, VOCAB_SIZE, tiny_config

@@ -24,7 +24,8 @@ from transformers import AutoConfig, PretrainedConfig
 from . import additive, aft, differential, linformer, mha, mla, rnn, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .heads_zoo import ZooForCausalLM
-from .modeling_zoo import ZooAttention, ZooMLP, ZooModel, ZooPreTrainedModel
+from .layers_zoo import ZooAttention, ZooMLP
+from .modeling_zoo import ZooModel, ZooPreTrainedModel
 
 
 class RegisteredModel:

@@ -56,8 +56,9 @@ from .aft_kernels_zoo import (
 from .cache_zoo import ZooStateLayer, state_layer
 from .configuration_zoo import ZooChunkedConfig, check_positive_int, sized
 from .heads_zoo import variant_heads
+from .layers_zoo import ZooAttention
 from .masks_zoo import TokenMask
-from .modeling_zoo import ZooAttention, ZooModel
+from .modeling_zoo import ZooModel
 from .seq2seq_zoo import seq2seq_classes
 
 

@@ -39,8 +39,9 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from .compat_zoo import update_cache
 from .configuration_zoo import ZooConfig, sized
 from .heads_zoo import variant_heads
+from .layers_zoo import ZooRMSNorm
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import ZooModel, ZooRMSNorm
+from .modeling_zoo import ZooModel
 from .positions_zoo import apply_rotary
 from .seq2seq_zoo import seq2seq_classes
 

@@ -34,9 +34,10 @@ from transformers.generation import GenerationMixin
 from .cache_zoo import ZooStateLayer, state_layer
 from .configuration_zoo import HEADS, ZooChunkedConfig, check_choice, check_positive_int, sized
 from .heads_zoo import ZooForCausalLM, variant_heads
+from .layers_zoo import ZooModule
 from .masks_zoo import TokenMask
 from .mha import ZooMultiHeadAttention
-from .modeling_zoo import ZooModel, ZooModule
+from .modeling_zoo import ZooModel
 from .seq2seq_zoo import seq2seq_classes
 
 LINFORMER_SHARING = ("none", "headwise", "key_value", "layerwise")

@@ -29,7 +29,8 @@ from transformers.utils import TransformersKwargs
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, sized
 from .heads_zoo import variant_heads
-from .modeling_zoo import BACKENDS, ZooAttention, ZooModel
+from .layers_zoo import BACKENDS, ZooAttention
+from .modeling_zoo import ZooModel
 from .positions_zoo import apply_rotary
 from .seq2seq_zoo import seq2seq_classes
 

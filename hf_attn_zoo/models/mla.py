@@ -46,8 +46,9 @@ from transformers.utils import TransformersKwargs
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, _is_positive_int, sized
 from .heads_zoo import variant_heads
+from .layers_zoo import ZooAttention, ZooRMSNorm
 from .mha import backend_attention
-from .modeling_zoo import ZooAttention, ZooModel, ZooRMSNorm
+from .modeling_zoo import ZooModel
 from .positions_zoo import apply_rotary
 from .seq2seq_zoo import seq2seq_classes
 

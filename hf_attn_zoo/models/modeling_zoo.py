@@ -1,12 +1,12 @@
 """The decoder backbone every zoo variant shares, written once.
 
-A variant contributes its attention module, a `ZooAttention` subclass; everything else is here, in the order of a
-forward pass: norms, the MLP, the attention protocol, the pre-norm decoder layer, the shared model class
-(initialisation, loading, saving) and `ZooModel` (embeddings, positions, masks, layers, final norm); the heads on it
-(causal LM, sequence and token classification, question answering) are in `heads_zoo.py`. The same `ZooModel` is the
-encoder of an encoder-decoder (`role="encoder"`: the variant's bidirectional form) and its decoder (`role="decoder"`:
-the causal form with a cross-attention in every layer, `cross_attention_zoo.py`); `seq2seq_zoo.py` puts the two
-together. Module layout and parameter
+A variant contributes its attention module, a `ZooAttention` subclass; everything else is the backbone: the layers
+(norms, the MLP, the attention protocol, the pre-norm decoder layer) in `layers_zoo.py`, and here the shared model
+class (initialisation, loading, saving) and `ZooModel` (embeddings, positions, masks, layers, final norm); the
+heads on it (causal LM, sequence and token classification, question answering) are in `heads_zoo.py`. The same
+`ZooModel` is the encoder of an encoder-decoder (`role="encoder"`: the variant's bidirectional form) and its decoder
+(`role="decoder"`: the causal form with a cross-attention in every layer, `cross_attention_zoo.py`);
+`seq2seq_zoo.py` puts the two together. Module layout and parameter
 names are Llama's (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`,
 `lm_head`), so a Llama state dict loads unchanged into the MHA family.
 
@@ -31,13 +31,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_layers import (
-    GradientCheckpointingLayer,
-)
 from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPastAndCrossAttentions
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
@@ -48,7 +43,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
 from .checkpoint_zoo import ShapeCheckedLoading, auto_map_for
-from .clients_zoo import attribute_refusal, cache_refusal
+from .clients_zoo import cache_refusal
 from .compat_zoo import (
     CACHE_KWARG,
     add_cache_position,
@@ -56,316 +51,20 @@ from .compat_zoo import (
 )
 from .configuration_zoo import ZooConfig
 from .cross_attention_zoo import ZooCrossAttention, cross_attention_class
+from .layers_zoo import (
+    BACKENDS,
+    ZooAttention,
+    ZooDecoderLayer,
+    ZooModule,
+    ZooScaledEmbedding,
+    make_norm,
+)
 from .masks_zoo import attention_mask_for, cross_attention_mask, encoder_mask_for
 from .positions_zoo import ZooRotaryEmbedding, default_position_ids, sinusoidal_embedding
 
-__all__ = [
-    "ZooAttention",
-    "ZooDecoderLayer",
-    "ZooMLP",
-    "ZooModel",
-    "ZooModule",
-    "ZooPreTrainedModel",
-    "ZooRMSNorm",
-]
+__all__ = ["ZooModel", "ZooPreTrainedModel"]
 
 logger = logging.get_logger(__name__)
-
-BACKENDS = ("eager", "sdpa", "flash_attention_2", "flex_attention")  # transformers' `ALL_ATTENTION_FUNCTIONS`
-
-
-class ZooRMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), as Llama's, on torch's fused kernel."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-class ZooScaledEmbedding(nn.Embedding):
-    """Token embeddings times sqrt(d), as Vaswani et al. (2017) scale them under sinusoidal positions: sinusoids of
-    amplitude 1 would otherwise drown embeddings initialised at std `initializer_range` (0.02). The scale lives in
-    the module, so `get_input_embeddings()(input_ids)` passed as `inputs_embeds` equals passing `input_ids`."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None) -> None:
-        super().__init__(num_embeddings, embedding_dim, padding_idx)
-        self.embed_scale = math.sqrt(embedding_dim)
-
-    def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        return super().forward(input_ids) * self.embed_scale
-
-
-def make_norm(config: ZooConfig) -> nn.Module:
-    if config.norm_type == "layernorm":
-        return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-    return ZooRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class ZooModule(nn.Module):
-    """A zoo module with parameters that are not Linear, Embedding or norm weights (score vectors, Linformer's E and
-    F): `_init_weights` calls its `init_parameters`. Every module also names the config fields that size its direct
-    children's tensors (`sized_by`), so that a checkpoint that does not fit its config is reported with the fields
-    to fix."""
-
-    sized_by: ClassVar[dict[str, str]] = {}
-
-    def init_parameters(self, config: ZooConfig) -> None:
-        """Initialise the parameters transformers' `_init_weights` does not know; nothing by default."""
-
-
-class ZooMLP(ZooModule):
-    """Position-wise feed-forward: gated `down(act(gate(x)) * up(x))` (Llama's SwiGLU) or plain `down(act(up(x)))`."""
-
-    sized_by: ClassVar[dict[str, str]] = dict.fromkeys(
-        ("gate_proj", "up_proj", "down_proj"), "intermediate_size, hidden_size"
-    )
-    lora_targets: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj", "down_proj")
-
-    def __init__(self, config: ZooConfig) -> None:
-        super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias) if config.mlp_type == "gated" else None
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is None:
-            return self.down_proj(self.act_fn(self.up_proj(x)))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class ZooAttention(ZooModule):
-    """Base of every variant's token mixer, and the protocol through which the backbone asks a variant what it needs.
-
-    Contract: `forward(hidden_states, attention_mask, position_embeddings, cache, **kwargs)` maps
-    `(B, T, hidden_size)` to `(output (B, T, hidden_size), attention weights (B, H, T, S) or None)`. It writes its
-    cache with `cache.update(..., self.layer_idx)` (or into its state layer) and ends with `o_proj`, the
-    projection back into the residual stream (GPT-2's scaled init applies to it). `position_embeddings` is Llama's RoPE
-    `(cos, sin)` pair for `apply_rotary` at width `rotary_dim(config)` when `position_embedding_type ==
-    "rope"`, else None; ALiBi arrives inside `attention_mask`; `position_ids` (true positions) and the resolved
-    `output_attentions` come in `kwargs`.
-    """
-
-    # The variant's family: the module it lives in (the MHA family shares Llama's layout and converts to and from it)
-    family: ClassVar[str] = ""
-    # Backends of transformers' `ALL_ATTENTION_FUNCTIONS` the kernel runs through; kernels of their own say "eager"
-    backends: ClassVar[tuple[str, ...]] = ("eager",)
-    # A static-cache decode step compiles to one graph (caches written in place, masks of fixed shape)
-    compiles_fullgraph: ClassVar[bool] = False
-    # None: keys and values in transformers' DynamicCache; else the class of the state layer it decodes from
-    cache_layer: ClassVar[type | None] = None
-    # What the backbone builds for `attention_mask` (`masks_zoo`): "dense", "blockwise" or "tokens"
-    mask_type: ClassVar[str] = "dense"
-    dense_mask_function = staticmethod(create_causal_mask)  # transformers' builder for the dense kind
-    # True when the kernel indexes parameters by position (Linformer's E, AFT's bias): positions are then always
-    # counted over real tokens, as for absolute position embeddings
-    reads_positions: ClassVar[bool] = False
-    # The outputs it returns with `output_attentions`: softmax weights whose rows sum to one, unless declared
-    attention_weights_sum_to_one: ClassVar[bool] = True
-    # Facts about the math that clients of the cache and the kernel depend on (`clients_zoo` derives their refusals):
-    # what a layer caches per token when it is not per-head keys and values (a phrase), else None
-    caches: ClassVar[str | None] = None
-    # query/key maps per head (softmax maps combined per head; differential attention's two)
-    maps_per_head: ClassVar[int] = 1
-    # the score of a query and a key when it is not their scaled dot product (a formula), else None
-    scores: ClassVar[str | None] = None
-    # which of a query's visible scores reach the softmax when not all of them (a phrase), else None
-    keeps_scores: ClassVar[str | None] = None
-    lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        # a variant writes `forward(..., cache=None, ...)`; callers of any transformers release may say past_key_values
-        if "forward" in cls.__dict__:
-            cls.forward = takes_past_key_values(cls.forward)
-
-    def __init__(self, config: ZooConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-
-    @classmethod
-    def decodes_from_state(cls) -> bool:
-        return cls.cache_layer is not None
-
-    @classmethod
-    def mask_kind(cls, config: ZooConfig, query_length: int, output_attentions: bool) -> str:
-        """The mask kind for a forward of `query_length` new tokens; `mask_type` unless the kernel switches."""
-        return cls.mask_type
-
-    @classmethod
-    def window(cls, config: ZooConfig) -> int | None:
-        """How many keys a query sees at most (itself included) in a blockwise mask; None: all earlier ones."""
-        return None
-
-    @classmethod
-    def query_key_width(cls, config: ZooConfig) -> int:
-        """Width of a query or key head."""
-        return config.head_dim
-
-    @classmethod
-    def value_width(cls, config: ZooConfig) -> int:
-        """Width of a value head, and of a head's output."""
-        return config.head_dim
-
-    @classmethod
-    def mixing_flops_per_token(cls, config: ZooConfig, seq_len: int) -> float:
-        """Forward FLOPs of one layer's sequence mixing outside its Linear layers, for one token whose query sees
-        `seq_len` positions: the full length, as PaLM counts (no halving for the causal mask), multiply-adds as 2.
-        Softmax and other O(1)-per-score elementwise work is left out, as PaLM leaves it. Default: dot-product
-        attention, per query head a score against each key (2·d_qk) and a weighted value (2·d_v)."""
-        return 2 * config.num_attention_heads * seq_len * (cls.query_key_width(config) + cls.value_width(config))
-
-    @classmethod
-    def rotary_dim(cls, config: ZooConfig) -> int:
-        """Width RoPE rotates: the query/key width by default."""
-        return cls.query_key_width(config)
-
-    @classmethod
-    def attention_weights_absence(cls, config: ZooConfig) -> str | None:
-        """Why `output_attentions` gives no weights over the tokens (a short clause: AFT has none, causal
-        Linformer's change at every step), or None when it does. Without weights the model warns once and returns
-        no attentions."""
-        return None
-
-    @classmethod
-    def bidirectional_refusal(cls, config: ZooConfig) -> str | None:
-        """Why the variant has no bidirectional form for an encoder (a sentence naming the variant), or None when it
-        has one. The dense and blockwise mask kinds carry the direction in the mask (`masks_zoo.encoder_mask_for`),
-        so kernels that read their mask need nothing more; a kernel of running sums reads a `TokenMask` and must
-        declare that it honours `TokenMask.causal=False`."""
-        if cls.mask_type in ("dense", "blockwise"):
-            return None
-        return (
-            f"{config.model_type} has no bidirectional form: its kernel keeps causal running sums, so it cannot be "
-            f"the encoder of an encoder-decoder; use it as the decoder of an EncoderDecoderModel (is_decoder=True, "
-            f"add_cross_attention=True) under another encoder, or choose a variant with one (mha, gqa, linformer ...)."
-        )
-
-    @classmethod
-    def backend_refusal(cls, config: ZooConfig, backend: str) -> str:
-        """Why `backend`, one of transformers' attention functions this kernel does not declare, cannot run it."""
-        if cls.backends == ("eager",):
-            what = f"computes its attention with a kernel of its own ({config.description})"
-        else:
-            what = f"runs its attention ({config.description}) through {' and '.join(cls.backends)} only"
-        return (
-            f"{config.model_type} {what}, not through transformers' {backend!r} attention function; load it with "
-            f"attn_implementation in {list(cls.backends)}."
-        )
-
-    @classmethod
-    def lora_modules(cls, config: ZooConfig) -> tuple[str, ...]:
-        """The attention's LoRA targets in a model of `config`: `lora_targets`, unless the config changes which
-        projections exist."""
-        return cls.lora_targets
-
-    @classmethod
-    def cached_widths(cls, config: ZooConfig) -> tuple[int, int, int] | None:
-        """What a layer caches per token: (key/value heads, key width, value width); None for a state."""
-        if cls.decodes_from_state():
-            return None
-        return config.num_key_value_heads, cls.query_key_width(config), cls.value_width(config)
-
-    def __setattr__(self, name: str, value) -> None:
-        # clients that attach attributes to attention layers (kvpress's rotary embedding) are answered by
-        # `clients_zoo`, from the facts above, before any token runs
-        if (refusal := attribute_refusal(self, name)) is not None:
-            raise AttributeError(refusal)
-        super().__setattr__(name, value)
-
-    @classmethod
-    def share_across_layers(cls, model: "ZooModel") -> None:
-        """Parameters all layers share (Linformer's layerwise projection): built on `model` before initialisation
-        and handed to its layers; none by default."""
-
-
-class ZooDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`, each branch with residual dropout.
-
-    With `cross_attention` (a decoder of an encoder-decoder) a third branch sits between the two, as in Vaswani et
-    al. 2017: `x + encoder_attn(encoder_attn_layer_norm(x), encoder outputs)`. With `causal=False` (an encoder layer)
-    the self-attention is told so (`is_causal`, which transformers' sdpa reads when no mask is needed); its mask
-    carries the rest."""
-
-    sized_by: ClassVar[dict[str, str]] = {
-        "input_layernorm": "hidden_size",
-        "post_attention_layernorm": "hidden_size",
-        "encoder_attn_layer_norm": "hidden_size",
-    }
-
-    def __init__(
-        self,
-        config: ZooConfig,
-        layer_idx: int,
-        attention_class: type[ZooAttention],
-        cross_attention: bool = False,
-        causal: bool = True,
-    ) -> None:
-        super().__init__()
-        self.input_layernorm = make_norm(config)
-        self.self_attn = attention_class(config, layer_idx)
-        if not causal:
-            self.self_attn.is_causal = False
-        self.encoder_attn_layer_norm = make_norm(config) if cross_attention else None
-        self.encoder_attn = cross_attention_class(config)(config, layer_idx) if cross_attention else None
-        self.post_attention_layernorm = make_norm(config)
-        self.mlp = ZooMLP(config)
-        self.hidden_dropout = config.hidden_dropout
-        # the projections that write into the residual stream: `_init_weights` gives them GPT-2's scaled init
-        for projection in (self.self_attn.o_proj, self.mlp.down_proj):
-            projection.writes_residual = True
-        if self.encoder_attn is not None:
-            self.encoder_attn.o_proj.writes_residual = True
-
-    @takes_past_key_values
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: Cache | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
-        cross_attention_mask=None,
-        cross_cache: EncoderDecoderCache | None = None,
-        cross_attentions: list | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        """`cache` is the self-attention's (an `EncoderDecoderCache`'s `self_attention_cache`); the cross-attention
-        reads and fills `cross_cache`, and appends its weights to `cross_attentions` when that list is given."""
-        # keywords, as Llama's layer passes them: hooks registered `with_kwargs` (kvpress) find `hidden_states`, and
-        # the cache under this transformers release's name for it
-        attn_output, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_embeddings=position_embeddings,
-            **{CACHE_KWARG: cache},
-            **kwargs,
-        )
-        hidden_states = hidden_states + self._dropout(attn_output)
-        if self.encoder_attn is not None:
-            cross_output, weights = self.encoder_attn(
-                self.encoder_attn_layer_norm(hidden_states),
-                encoder_hidden_states,
-                cross_attention_mask,
-                cross_cache,
-                output_attentions=cross_attentions is not None,
-            )
-            hidden_states = hidden_states + self._dropout(cross_output)
-            if cross_attentions is not None:
-                cross_attentions.append(weights)
-        return hidden_states + self._dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
-
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout else x
 
 
 class ZooPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
