@@ -37,6 +37,8 @@ FLOOR_TESTS = [
     "tests/test_decoding.py",
     "tests/test_llama_parity.py",
     "tests/test_checkpoints.py",
+    "tests/test_seq2seq.py",
+    "tests/test_rnn.py",
     "tests/test_floor.py",
 ]
 

@@ -261,3 +261,14 @@ def test_the_bible_split_keeps_every_test_book_verse_out_of_training():
     held_out = [line.split("\t") for line in lines if line.split("\t")[0].rsplit(" ", 1)[0] in ("Luke", "Acts")]
     assert {source for _, source, _ in held_out} == test_sources
     assert not {ref for ref, _, _ in held_out} & set(splits["train"]["ref"])
+
+
+def test_a_decoder_variant_is_a_language_model_unless_the_recipe_says_seq2seq():
+    """Every decoder variant also has an encoder-decoder form (in SEQ2SEQ); naming it alone still trains a language
+    model, as it did before translators existed. A translator-only model (rnn) is seq2seq by itself."""
+    from hf_attn_zoo.train import ModelArguments
+
+    assert not ModelArguments(variant="gqa").seq2seq
+    assert ModelArguments(variant="gqa", task="seq2seq").seq2seq
+    assert ModelArguments(variant="gqa", config='{"is_encoder_decoder": true}').seq2seq
+    assert ModelArguments(variant="rnn").seq2seq

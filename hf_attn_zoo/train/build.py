@@ -14,7 +14,7 @@ from ..convert.calibrated import CALIBRATION_METHODS
 from ..data import tokenizer_fields
 from ..errors import MissingPathError, UserError, one_line
 from ..loading import resolve_source
-from ..models import SEQ2SEQ, VARIANTS, ZooForCausalLM, get_variant
+from ..models import SEQ2SEQ, ZooForCausalLM, get_variant
 from .recipe import ModelArguments
 
 
@@ -128,16 +128,13 @@ def seq2seq_config(model_args: ModelArguments, **fields_):
     tokenizer's) go over `model.config`. A field the config refuses is a `UserError` naming it."""
     fields_ = {**model_args.config_fields(), **fields_}
     try:
-        if model_args.variant in SEQ2SEQ:
-            return SEQ2SEQ[model_args.variant].config(model_args.size or None, **fields_)
-        if model_args.variant not in VARIANTS:
+        if model_args.variant not in SEQ2SEQ:
             raise UserError(
                 f"model.variant={model_args.variant!r} is not registered; sequence-to-sequence models: "
-                f"{sorted(SEQ2SEQ)}, decoder variants (as encoder-decoders): {sorted(VARIANTS)}."
+                f"{sorted(SEQ2SEQ)} (the decoder variants' encoder-decoders and the translators)."
             )
-        return get_variant(model_args.variant).config(
-            model_args.size or None, **{**fields_, "is_encoder_decoder": True}
-        )
+        # a translator's preset, or a decoder variant's with is_encoder_decoder=True (SEQ2SEQ's config_defaults)
+        return SEQ2SEQ[model_args.variant].config(model_args.size or None, **fields_)
     except UserError:
         raise
     except ValueError as error:  # the config's validation names the field

@@ -22,7 +22,7 @@ from transformers import HfArgumentParser, Seq2SeqTrainingArguments
 from ..convert.pooling import METHODS as POOLING_METHODS
 from ..data import DataArguments
 from ..errors import MissingPathError, UserError, one_line
-from ..models import SEQ2SEQ, get_variant
+from ..models import SEQ2SEQ, VARIANTS, get_variant
 
 # Defaults the recipes may override: TensorBoard logs; DDP without the search for unused parameters (every zoo
 # parameter takes part in the loss, and the search costs a pass over the graph every step).
@@ -106,8 +106,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "causal_lm (a language model on text) or seq2seq (a translator on pairs: Seq2SeqTrainer, "
-            "BLEU/chrF); empty: seq2seq for a sequence-to-sequence model (rnn), config.is_encoder_decoder or an "
-            "encoder-decoder init_from, else causal_lm"
+            "BLEU/chrF); empty: seq2seq for a translator-only model (rnn), config.is_encoder_decoder or an "
+            "encoder-decoder init_from, else causal_lm (a decoder variant trains its encoder-decoder with seq2seq)"
         },
     )
     # init=False: parsed from its own section, so HfArgumentParser offers no --model.conversion
@@ -132,7 +132,13 @@ class ModelArguments:
         if self.init_from is not None:
             config = Path(self.init_from).expanduser() / "config.json"
             return config.is_file() and bool(json.loads(config.read_text()).get("is_encoder_decoder"))
-        return self.variant in SEQ2SEQ or bool(self.config_fields().get("is_encoder_decoder"))
+        # a decoder variant is a language model unless told (every one also has an encoder-decoder form in SEQ2SEQ)
+        return self.translator_only or bool(self.config_fields().get("is_encoder_decoder"))
+
+    @property
+    def translator_only(self) -> bool:
+        """Whether `variant` names a sequence-to-sequence model with no decoder-only form (`rnn`)."""
+        return self.variant in SEQ2SEQ and self.variant not in VARIANTS
 
     def check_config(self) -> None:
         """Build the variant's config (not the model) from the preset and the fields, so that a field the config
@@ -140,7 +146,7 @@ class ModelArguments:
         come later and are the tokenizer's, not the user's."""
         if self.task not in (None, "causal_lm", "seq2seq"):
             raise UserError(f"model.task={self.task!r} is not one of ['causal_lm', 'seq2seq'].")
-        if self.task == "causal_lm" and self.variant in SEQ2SEQ and self.init_from is None:
+        if self.task == "causal_lm" and self.translator_only and self.init_from is None:
             raise UserError(
                 f"model.variant={self.variant!r} is a sequence-to-sequence model: set model.task to seq2seq, or "
                 f"choose a decoder-only variant for causal_lm."
