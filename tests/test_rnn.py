@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
 from hf_attn_zoo.models.rnn import ZooRNNCache, ZooRNNConfig, ZooRNNForConditionalGeneration, shift_tokens_right
 
-from conftest import ATOL, returned_cache
+from conftest import ATOL, CACHE_KWARG, returned_cache
 
 VOCAB = 31
 KINDS = [(attention, cell) for attention in ("bahdanau", "luong", "none") for cell in ("gru", "lstm")]
@@ -346,9 +346,10 @@ def test_generate_refuses_key_value_caches():
     with pytest.raises(ValueError, match="cache_implementation"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="static")
     with pytest.raises(TypeError, match="make_cache"):
-        model(input_ids=ids, decoder_input_ids=target_batch(), cache=transformers.DynamicCache())
+        model(input_ids=ids, decoder_input_ids=target_batch(), **{CACHE_KWARG: transformers.DynamicCache()})
     cache = model.make_cache()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, **{"cache": cache})
+    kwargs = {CACHE_KWARG: cache, "return_dict_in_generate": True}
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
     assert isinstance(returned_cache(out), ZooRNNCache)
 
 

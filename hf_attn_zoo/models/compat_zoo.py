@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 try:  # transformers >= 5.3
@@ -58,11 +58,17 @@ else:
 
         def __post_init__(self, **kwargs) -> None:
             # transformers' own `__init__` handles what is left: label maps, dtype, RoPE keywords (`rope_theta`,
-            # `rope_scaling`), attention implementation, and any extra key stored as an attribute.
-            PreTrainedConfig.__init__(self, **kwargs)
+            # `rope_scaling`), attention implementation, and any extra key stored as an attribute. A field a subclass
+            # declares that is also one of its own parameters (`is_encoder_decoder`) is handed to it, which would
+            # otherwise set its default over the subclass's value.
+            own = {name: value for name, value in vars(self).items() if name in _BASE_PARAMETERS}
+            PreTrainedConfig.__init__(self, **{**own, **kwargs})
 
         def validate(self) -> None:
             """transformers < 5.4 has no field validation of its own; the zoo's checks (overrides) are the whole."""
+
+
+_BASE_PARAMETERS = set(inspect.signature(PreTrainedConfig.__init__).parameters) - {"self", "kwargs"}
 
 
 def _config_fields(cls: type) -> dict:
@@ -198,3 +204,22 @@ __all__ = [
     "takes_past_key_values",
     "update_cache",
 ]
+
+
+# transformers 5.x added `allow_is_bidirectional_skip` to `create_bidirectional_mask` (False: a mask even where every
+# position is allowed); 5.2 always skips, returning None for an unpadded batch.
+_ASKS_FOR_A_MASK = "allow_is_bidirectional_skip" in inspect.signature(create_bidirectional_mask).parameters
+
+
+def bidirectional_mask(*, inputs_embeds: torch.Tensor, allow_is_bidirectional_skip: bool = True, **kwargs):
+    """`create_bidirectional_mask`; with `allow_is_bidirectional_skip=False` a mask is returned even where no
+    position is masked (an all-True boolean mask on releases that cannot be asked for one)."""
+    if _ASKS_FOR_A_MASK:
+        return create_bidirectional_mask(
+            inputs_embeds=inputs_embeds, allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs
+        )
+    mask = create_bidirectional_mask(inputs_embeds=inputs_embeds, **kwargs)
+    if mask is None and not allow_is_bidirectional_skip:
+        batch, length = inputs_embeds.shape[:2]
+        mask = torch.ones(batch, 1, length, length, dtype=torch.bool, device=inputs_embeds.device)
+    return mask

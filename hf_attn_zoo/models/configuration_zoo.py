@@ -167,6 +167,7 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
     encoder_layers: int | None = None
     decoder_layers: int | None = None
     decoder_start_token_id: int | None = None
+    is_encoder_decoder: bool = False
     is_decoder: bool = True
     add_cross_attention: bool = False
     cross_attention: str = "dot"

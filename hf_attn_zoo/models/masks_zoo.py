@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_bidirectional_mask, find_packed_sequence_indices
 
-from .compat_zoo import build_mask, cache_mask_sizes
+from .compat_zoo import bidirectional_mask, build_mask, cache_mask_sizes
 from .configuration_zoo import ZooConfig
 from .positions_zoo import alibi_slopes, key_positions
 
@@ -258,7 +258,7 @@ def encoder_mask_for(
             def band(batch_idx, head_idx, q_idx, kv_idx):  # a two-sided band: |i - j| < w, itself included
                 return (q_idx - kv_idx).abs() < window
 
-        mask = create_bidirectional_mask(
+        mask = bidirectional_mask(
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
