@@ -1,8 +1,8 @@
 """Translation end to end: the tiny recipe trains zoo_rnn on the embedded pairs through `Seq2SeqTrainer` and saves a
 checkpoint transformers loads and generates from; pair files of every kind read; the shared tokenizer keeps Spanish
 accents; `translate-eval` scores as sacrebleu does; `attention` draws the cross-attention; the Transformer recipe
-trains an encoder-decoder both commands read; bad input is one line, exit status 2 and nothing written; the Bible corpus split (when ../shared/data/bible_en_es is there) keeps every
-verse of a test book out of training."""
+trains an encoder-decoder both commands read; bad input is one line, exit status 2 and nothing written; the Bible
+corpus split (when ../shared/data/bible_en_es is there) keeps every verse of a test book out of training."""
 
 import csv as csv_module
 import json
