@@ -111,3 +111,37 @@ def test_llama_writes_ratios_from_the_command_line(tmp_path):
     assert len(result["ratios"]) == 3 and all(ratio > 0 for ratio in result["ratios"].values())
     assert all(len(sample["llama"]) == len(sample["zoo"]) == 2 for sample in result["samples"].values())
     assert "| zoo / Llama |" in (tmp_path / "speed_gqa_vs_llama.md").read_text()
+
+
+def test_seq2seq_writes_ratios_cache_bytes_and_the_matched_rnn(tmp_path):
+    """`python -m experiments seq2seq` at tiny sizes, one repeat: every field of the results, positive ratios, the
+    cross-attention caches in the proportions of their key/value heads, the RNN within 5% of the Transformer's
+    parameters. No timing is asserted."""
+    args = ["seq2seq", "--vocab_size", "128", "--hidden_size", "32", "--intermediate_size", "64"]
+    args += ["--encoder_layers", "1", "--decoder_layers", "1", "--num_attention_heads", "4"]
+    args += ["--gqa_key_value_heads", "2", "--cache_batch_size", "2"]
+    args += ["--train_batch_size", "2", "--source_len", "8", "--target_len", "6", "--train_steps", "1"]
+    args += ["--new_tokens", "3", "--decode_batch_sizes", "1", "2", "--decode_runs", "1", "--repeats", "1"]
+    assert main([*args, "--output_dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "seq2seq.json").read_text())
+    assert set(result) >= {
+        "setup",
+        "parameters",
+        "samples",
+        "ratios",
+        "rnn",
+        "cross_attention_cache",
+        "rnn_hidden_size",
+    }
+    assert len(result["ratios"]) == 3 and all(ratio > 0 for ratio in result["ratios"].values())
+    assert all(len(sample["zoo"]) == len(sample["t5"]) == 1 for sample in result["samples"].values())
+    assert result["rnn"]["tokens_per_second_ratio"] > 0 and result["rnn"]["tokens_per_second_rnn"] > 0
+    parameters = result["parameters"]
+    assert parameters["t5"] > 0 and abs(parameters["rnn"] / parameters["zoo"] - 1) < 0.05
+    cache = {row["kind"]: row for row in result["cross_attention_cache"]}
+    assert list(cache) == ["MHA", "GQA", "MQA", "additive"]
+    assert all(row["bytes_per_source_token"] == row["formula_bytes_per_source_token"] for row in cache.values())
+    # per layer and source token: keys and values of 4, 2 and 1 heads of 8 float32 numbers
+    assert [cache[kind]["bytes_per_source_token"] for kind in ("MHA", "GQA", "MQA")] == [256, 128, 64]
+    table = (tmp_path / "seq2seq.md").read_text()
+    assert "| zoo / T5 |" in table and "relative position bias" in table and "RoPE" in table

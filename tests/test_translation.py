@@ -1,8 +1,8 @@
 """Translation end to end: the tiny recipe trains zoo_rnn on the embedded pairs through `Seq2SeqTrainer` and saves a
 checkpoint transformers loads and generates from; pair files of every kind read; the shared tokenizer keeps Spanish
-accents; `translate-eval` scores as sacrebleu does; `attention` draws the cross-attention; bad input is one line,
-exit status 2 and nothing written; the Bible corpus split (when ../shared/data/bible_en_es is there) keeps every
-verse of a test book out of training."""
+accents; `translate-eval` scores as sacrebleu does; `attention` draws the cross-attention; the Transformer recipe
+trains an encoder-decoder both commands read; bad input is one line, exit status 2 and nothing written; the Bible
+corpus split (when ../shared/data/bible_en_es is there) keeps every verse of a test book out of training."""
 
 import csv as csv_module
 import json
@@ -23,6 +23,7 @@ from hf_attn_zoo_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "train" / "tiny_translation.yaml"
+TRANSFORMER_RECIPE = ROOT / "configs" / "train" / "tiny_translation_transformer.yaml"
 BIBLE = ROOT.parent / "shared" / "data" / "bible_en_es" / "pairs.tsv"
 STEPS = ["--training.max_steps", "40", "--training.eval_steps", "40", "--training.save_steps", "20"]
 
@@ -165,6 +166,30 @@ def test_attention_draws_the_cross_attention_of_a_translator(trained, tmp_path, 
         ["attention", trained / "final", "She does not want the coffee.", "--out", out], capsys
     )
     assert status == 0 and "cross-attention" in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_transformer_recipe_trains_an_encoder_decoder_that_translate_eval_and_attention_read(tmp_path, capsys):
+    """The Transformer recipe, a few steps: a GQA encoder-decoder with GQA cross-attention that `translate-eval`
+    scores and `attention` draws (one panel per head of the chosen layer)."""
+    output = tmp_path / "run"
+    overrides = ["--training.max_steps", "10", "--training.eval_steps", "10", "--training.save_steps", "10"]
+    summary = run_training(*load_recipe(TRANSFORMER_RECIPE, [*overrides, "--training.output_dir", str(output)]))
+    assert summary["task"] == "seq2seq" and summary["steps"] == 10 and summary["validation_bleu"] >= 0
+    capsys.readouterr()  # the run's logs: the command's JSON is read alone below
+    final = output / "final"
+    config = AutoModelForSeq2SeqLM.from_pretrained(final).config
+    assert config.model_type == "zoo_gqa" and config.is_encoder_decoder and config.cross_attention == "dot"
+    assert (config.num_attention_heads, config.cross_attention_num_key_value_heads) == (4, 2)
+    status, printed, _ = run_cli(
+        ["translate-eval", final, "--data", output / "validation_pairs.jsonl", "--json"], capsys
+    )
+    scores = json.loads(printed)
+    assert status == 0 and scores["bleu"] >= 0 and scores["chrf"] >= 0 and scores["reference_perplexity"] > 1
+    out = tmp_path / "map.png"
+    text = "She does not want the coffee."
+    status, printed, _ = run_cli(["attention", final, text, "--layer", "1", "--out", out], capsys)
+    assert status == 0 and "cross-attention of layer 1, every head" in printed
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
