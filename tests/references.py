@@ -103,7 +103,12 @@ def topk_attention(attn, hidden, positions, attention_mask, config, causal=True)
     return scored_attention(attn, hidden, positions, attention_mask, config, score, keep=config.topk, causal=causal)
 
 
-def latent_attention(attn, hidden, positions, attention_mask, config):
+def alibi_distance(distance: torch.Tensor, causal: bool) -> torch.Tensor:
+    """ALiBi's distance from a query to its keys: i - j looking back, |i - j| in an encoder, which sees both ways."""
+    return distance if causal else distance.abs()
+
+
+def latent_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """DeepSeek-AI 2024 (DeepSeek-V2, section 2.1): c = RMSNorm(W_DKV x) (W_DKV x with `latent_norm=False`), per
     head k_h = [W_UK,h c; k_rope] and v_h = W_UV,h c, k_rope = RoPE(W_KR x) shared by every head, q_h = [q_nope,h;
     RoPE(q_rope,h)]; softmax over q_h . k_h / sqrt(nope + rope). With `rope_frequencies`, layer l's RoPE part rotates
@@ -143,9 +148,11 @@ def latent_attention(attn, hidden, positions, attention_mask, config):
     up = attn.kv_b_proj.weight.view(heads, nope + v_dim, r)
     slopes = paper_alibi_slopes(heads)
     out = torch.zeros(batch, length, heads, v_dim)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    # an encoder (`causal=False`) lets every real key in, and ALiBi reads the distance either way
+    order = torch.ones(length, length, dtype=torch.bool)
+    order = order.tril() if causal else order
     for b in range(batch):
-        allowed = causal & attention_mask[b].bool()[None, :]
+        allowed = order & attention_mask[b].bool()[None, :]
         for h in range(heads):
             keys = torch.cat((c[b] @ up[h, :nope].T, k_rope[b, :, 0]), dim=-1)  # (S, nope + rope)
             values = c[b] @ up[h, nope:].T  # (S, v)
@@ -154,7 +161,7 @@ def latent_attention(attn, hidden, positions, attention_mask, config):
                     continue
                 scores = keys @ torch.cat((q_nope[b, i, h], q_rope[b, i, h])) / math.sqrt(nope + rope)
                 if config.position_embedding_type == "alibi":
-                    scores = scores - slopes[h] * (positions[b, i] - positions[b])
+                    scores = scores - slopes[h] * alibi_distance(positions[b, i] - positions[b], causal)
                 out[b, i, h] = scores.masked_fill(~allowed[i], float("-inf")).softmax(-1) @ values
     return attn.o_proj(out.reshape(batch, length, heads * v_dim))
 
@@ -166,7 +173,7 @@ def additive_attention(attn, hidden, positions, attention_mask, config, causal=T
     return scored_attention(attn, hidden, positions, attention_mask, config, score, causal=causal)
 
 
-def differential_attention(attn, hidden, positions, attention_mask, config):
+def differential_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """Ye et al. 2024: per head, (softmax(Q1 K1ᵀ/√d) - λ softmax(Q2 K2ᵀ/√d)) V with λ = exp(λq1·λk1) - exp(λq2·λk2) +
     λ_init, λ_init = 0.8 - 0.6 exp(-0.3 (l - 1)) at layer l; each head's output RMS-normalised and scaled by
     1 - λ_init (unless `differential_head_norm` is False). Map i of head h reads map i of key/value head
@@ -183,9 +190,11 @@ def differential_attention(attn, hidden, positions, attention_mask, config):
     lam = torch.exp(attn.lambda_q1 @ attn.lambda_k1) - torch.exp(attn.lambda_q2 @ attn.lambda_k2) + lambda_init
     slopes = paper_alibi_slopes(heads)
     out = torch.zeros(batch, length, heads, 2 * d)
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    # an encoder (`causal=False`) lets every real key in, and ALiBi reads the distance either way
+    order = torch.ones(length, length, dtype=torch.bool)
+    order = order.tril() if causal else order
     for b in range(batch):
-        allowed = causal & attention_mask[b].bool()[None, :]
+        allowed = order & attention_mask[b].bool()[None, :]
         for h in range(heads):
             g = h // (heads // kv_heads)
             for i in range(length):
@@ -195,7 +204,7 @@ def differential_attention(attn, hidden, positions, attention_mask, config):
                 for m in (0, 1):
                     scores = k[b, :, 2 * g + m] @ q[b, i, 2 * h + m] / math.sqrt(d)
                     if config.position_embedding_type == "alibi":
-                        scores = scores - slopes[h] * (positions[b, i] - positions[b])
+                        scores = scores - slopes[h] * alibi_distance(positions[b, i] - positions[b], causal)
                     maps.append(scores.masked_fill(~allowed[i], float("-inf")).softmax(-1))
                 head = (maps[0] - lam * maps[1]) @ v[b, :, g]  # (2d,)
                 if not config.differential_head_norm:  # the paper's ablation: the head's output as it is
@@ -206,9 +215,10 @@ def differential_attention(attn, hidden, positions, attention_mask, config):
     return attn.o_proj(out.reshape(batch, length, heads * 2 * d))
 
 
-def linformer_attention(attn, hidden, positions, attention_mask, config):
+def linformer_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """Wang et al. 2020, causal form: at step t slot j holds sum over real tokens s <= t of E[j, pos_s]·k_s (F for
-    values), and the query attends over the k slots; with `is_causal=False` the sums run over the whole input."""
+    values), and the query attends over the k slots; with `is_causal=False` (or as an encoder, `causal=False`) the
+    sums run over the whole input, the paper's form."""
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     q = attn.q_proj(hidden).view(batch, length, heads, head_dim)
@@ -228,7 +238,7 @@ def linformer_attention(attn, hidden, positions, attention_mask, config):
             for t in range(length):
                 if not attention_mask[b, t]:
                     continue
-                horizon = t + 1 if config.is_causal else length
+                horizon = t + 1 if config.is_causal and causal else length
                 slots_k = torch.zeros(config.linformer_k, head_dim)
                 slots_v = torch.zeros(config.linformer_k, head_dim)
                 for s in range(horizon):
@@ -240,10 +250,11 @@ def linformer_attention(attn, hidden, positions, attention_mask, config):
     return attn.o_proj(out.reshape(batch, length, heads * head_dim))
 
 
-def aft_attention(attn, hidden, positions, attention_mask, config):
+def aft_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """Zhai et al. 2021, causal, in float64: y_t = sigmoid(q_t) * sum_{s <= t} exp(k_s + w_ts) v_s / sum of the
     weights, with w_ts = u[pos_t]·v[pos_s] (AFT-full), the same only when pos_t - pos_s < window and 0 otherwise
-    (AFT-local), and 0 (AFT-simple). Padding tokens take no part."""
+    (AFT-local), and 0 (AFT-simple). Padding tokens take no part. As an encoder (`causal=False`) the sums run over
+    every token and AFT-local's window is two-sided, |pos_t - pos_s| < window."""
     batch, length, width = hidden.shape
     q, k, v = attn.q_proj(hidden), attn.k_proj(hidden).double(), attn.v_proj(hidden).double()
     out = torch.zeros(batch, length, width, dtype=torch.float64)
@@ -253,11 +264,12 @@ def aft_attention(attn, hidden, positions, attention_mask, config):
                 continue
             numerator = torch.zeros(width, dtype=torch.float64)
             denominator = torch.zeros(width, dtype=torch.float64)
-            for s in range(t + 1):
+            for s in range(t + 1 if causal else length):
                 if not attention_mask[b, s]:
                     continue
                 w = 0.0
-                near = config.aft_mode == "local" and positions[b, t] - positions[b, s] < config.aft_window
+                distance = positions[b, t] - positions[b, s]
+                near = config.aft_mode == "local" and (distance if causal else abs(distance)) < config.aft_window
                 if config.aft_mode == "full" or near:
                     u_t = attn.position_bias_u.weight[positions[b, t]].double()
                     w = u_t @ attn.position_bias_v.weight[positions[b, s]].double()

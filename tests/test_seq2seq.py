@@ -28,12 +28,9 @@ CASES = {name: {} for name in VARIANTS} | {
     "mha-cross_mqa": {"cross_attention_num_key_value_heads": 1},
     "mha-cross_additive": {"cross_attention": "additive", "cross_attention_additive_dim": 6},
 }
-# the naive self-attention of the variants whose reference has a bidirectional form
-REFERENCES = {
-    "mha": references.softmax_attention,
-    "sliding_window": references.softmax_attention,
-    "topk": references.topk_attention,
-    "additive": references.additive_attention,
+# the naive self-attention of every variant (its conformance reference, run causal in the decoder and bidirectional,
+# `causal=False`, in the encoder), and the other cross-attention kinds over the MHA family
+REFERENCES = {name: CONFORMANCE[name]["reference"] for name in VARIANTS} | {
     "gqa-cross_gqa": references.softmax_attention,
     "mha-cross_mqa": references.softmax_attention,
     "mha-cross_additive": references.softmax_attention,
