@@ -41,6 +41,7 @@ def test_auto_map_and_files(tmp_path):
         "compat_zoo.py",
         "configuration_zoo.py",
         "cross_attention_zoo.py",
+        "encoder_decoder_zoo.py",
         "heads_zoo.py",
         "layers_zoo.py",
         "loss_zoo.py",

@@ -55,6 +55,7 @@ from .cache_zoo import ZooStateCache
 from .checkpoint_zoo import ShapeCheckedLoading, auto_map_for
 from .compat_zoo import CACHE_KWARG, ZooConfigBase, takes_past_key_values
 from .configuration_zoo import PresetConfig
+from .encoder_decoder_zoo import SharedEmbeddingModel, TranslatorHead, shift_tokens_right
 
 CELLS = ("gru", "lstm")
 ATTENTIONS = ("bahdanau", "luong", "none")
@@ -178,15 +179,6 @@ def _is_int(value) -> bool:
 
 def _is_positive_int(value) -> bool:
     return _is_int(value) and value > 0
-
-
-def shift_tokens_right(input_ids: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
-    """The decoder inputs for `input_ids` (labels): shifted one to the right behind `decoder_start_token_id`, with
-    the ignored label -100 replaced by `pad_token_id` (BART's function)."""
-    shifted = input_ids.new_zeros(input_ids.shape)  # (B, T)
-    shifted[:, 1:] = input_ids[:, :-1].clone()
-    shifted[:, 0] = decoder_start_token_id
-    return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
 def run_packed(rnn: nn.RNNBase, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -482,7 +474,7 @@ class ZooRNNPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-class ZooRNNModel(ZooRNNPreTrainedModel):
+class ZooRNNModel(SharedEmbeddingModel, ZooRNNPreTrainedModel):
     """The encoder and the decoder over one shared embedding (`model.shared`), returning the decoder's output
     features; `ZooRNNForConditionalGeneration` adds the head."""
 
@@ -499,18 +491,6 @@ class ZooRNNModel(ZooRNNPreTrainedModel):
         self.post_init()
 
     sized_by: ClassVar[dict[str, str]] = {"shared": "vocab_size, hidden_size"}
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.shared
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = value
-
-    def get_encoder(self) -> ZooRNNEncoder:
-        return self.encoder
-
-    def get_decoder(self) -> ZooRNNDecoder:
-        return self.decoder
 
     @takes_past_key_values
     @can_return_tuple
@@ -581,7 +561,7 @@ class ZooRNNModel(ZooRNNPreTrainedModel):
         )
 
 
-class ZooRNNForConditionalGeneration(ZooRNNPreTrainedModel, GenerationMixin):
+class ZooRNNForConditionalGeneration(TranslatorHead, ZooRNNPreTrainedModel, GenerationMixin):
     """The translator: `ZooRNNModel` and a language-modelling head over the decoder's output features."""
 
     model_class: ClassVar[type[ZooRNNModel]] = ZooRNNModel
@@ -594,29 +574,8 @@ class ZooRNNForConditionalGeneration(ZooRNNPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.shared
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.set_input_embeddings(value)
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
-    def get_encoder(self) -> ZooRNNEncoder:
-        return self.model.encoder
-
-    def get_decoder(self) -> ZooRNNDecoder:
-        return self.model.decoder
-
     def make_cache(self) -> ZooRNNCache:
         return self.model.make_cache()
-
-    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """`generate` would build transformers' key/value caches; this model decodes from its RNN state, so it

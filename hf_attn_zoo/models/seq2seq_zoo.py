@@ -38,6 +38,7 @@ from transformers.utils import can_return_tuple
 
 from .compat_zoo import CACHE_KWARG, returned_cache, takes_past_key_values
 from .configuration_zoo import ZooConfig
+from .encoder_decoder_zoo import SharedEmbeddingModel, TranslatorHead, shift_tokens_right
 from .heads_zoo import ZooHead
 from .modeling_zoo import ZooModel, ZooPreTrainedModel
 
@@ -48,26 +49,6 @@ __all__ = [
     "seq2seq_classes",
     "shift_tokens_right",
 ]
-
-
-def shift_tokens_right(
-    input_ids: torch.Tensor, pad_token_id: int | None, decoder_start_token_id: int | None
-) -> torch.Tensor:
-    """BART's decoder inputs from labels: `decoder_start_token_id`, then the labels but the last, -100 as padding."""
-    if decoder_start_token_id is None:
-        raise ValueError(
-            "decoder_start_token_id is not set: the decoder's inputs start with it (labels are shifted right behind "
-            "it); set config.decoder_start_token_id (BART uses eos, T5 and Marian pad)."
-        )
-    if pad_token_id is None:
-        raise ValueError(
-            "pad_token_id is not set: label positions ignored as -100 become padding in the decoder's inputs; set "
-            "config.pad_token_id."
-        )
-    shifted = input_ids.new_zeros(input_ids.shape)
-    shifted[:, 1:] = input_ids[:, :-1].clone()
-    shifted[:, 0] = decoder_start_token_id
-    return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
 class ZooSeq2SeqPreTrainedModel(ZooPreTrainedModel):
@@ -112,7 +93,7 @@ class ZooSeq2SeqPreTrainedModel(ZooPreTrainedModel):
         }
 
 
-class ZooEncoderDecoderModel(ZooSeq2SeqPreTrainedModel):
+class ZooEncoderDecoderModel(SharedEmbeddingModel, ZooSeq2SeqPreTrainedModel):
     """The variant's encoder and decoder over one shared embedding, returning the decoder's last hidden states."""
 
     _tied_weights_keys: ClassVar[dict[str, str]] = {
@@ -130,18 +111,6 @@ class ZooEncoderDecoderModel(ZooSeq2SeqPreTrainedModel):
         for stack in (self.encoder, self.decoder):
             stack.inside_head = True  # returns its output object whatever return_dict says
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.shared
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = value
-
-    def get_encoder(self) -> ZooModel:
-        return self.encoder
-
-    def get_decoder(self) -> ZooModel:
-        return self.decoder
 
     @takes_past_key_values
     @can_return_tuple
@@ -209,7 +178,7 @@ class ZooEncoderDecoderModel(ZooSeq2SeqPreTrainedModel):
         )
 
 
-class ZooForConditionalGeneration(ZooSeq2SeqPreTrainedModel, GenerationMixin):
+class ZooForConditionalGeneration(TranslatorHead, ZooSeq2SeqPreTrainedModel, GenerationMixin):
     """The translator: the variant's `ZooEncoderDecoderModel` and a language-modelling head over the decoder."""
 
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.shared.weight"}
@@ -221,30 +190,9 @@ class ZooForConditionalGeneration(ZooSeq2SeqPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.shared
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.set_input_embeddings(value)
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
-    def get_encoder(self) -> ZooModel:
-        return self.model.encoder
-
-    def get_decoder(self) -> ZooModel:
-        return self.model.decoder
-
     def make_cache(self) -> EncoderDecoderCache:
         """An empty decoding cache: the decoder's self-attention cache (the variant's) and a cross-attention cache."""
         return self.model.decoder.make_cache()
-
-    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
         """`generate` builds two caches from the config; the decoder's self-attention needs the variant's own (state
