@@ -173,3 +173,18 @@ class CheckpointCallback(TrainerCallback):
         if args.should_save:
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             write_atomically(folder / COMPLETE_MARKER, json.dumps({"step": state.global_step}))
+
+
+def run_callbacks(
+    tokens_per_step: float, flops_per_token: float, details: dict, memory: MemoryCallback, extra: list
+) -> list[TrainerCallback]:
+    """The callbacks of every training run, language model or translator: throughput (and MFU on a known GPU),
+    crash-safe checkpoints carrying `details`, memory, then the caller's `extra`."""
+    throughput = ThroughputCallback(tokens_per_step, flops_per_token, peak_flops())
+    return [throughput, CheckpointCallback(details), memory, *extra]
+
+
+def throughput_first(trainer) -> None:
+    """Put the throughput callback before transformers' own, so that TensorBoard and the progress printer get its
+    figures in the same logs."""
+    trainer.callback_handler.callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))

@@ -35,7 +35,11 @@ from ..errors import UserError
 from ..loading import resolve_source
 from ..models import ZooConfig, get_variant
 from .build import build_model, parameter_count, parent_train_tokens, training_flops_per_token, uptraining_steps
-from .callbacks import CheckpointCallback, MemoryCallback, ThroughputCallback, peak_flops
+from .callbacks import (
+    MemoryCallback,
+    run_callbacks,
+    throughput_first,
+)
 from .recipe import SECTIONS, ModelArguments, load_recipe, refuse_gpu_recipe_without_gpu
 from .trainer import ZooTrainer, checkpoint_step, resolve_resume
 
@@ -177,15 +181,9 @@ def run_training(
         train_dataset=train_blocks,
         eval_dataset=validation_blocks,
         processing_class=tokenizer,
-        callbacks=[
-            ThroughputCallback(tokens_per_step, flops_per_token, peak_flops()),
-            CheckpointCallback(details),
-            memory,
-            *callbacks,
-        ],
+        callbacks=run_callbacks(tokens_per_step, flops_per_token, details, memory, callbacks),
     )
-    # throughput first, so that TensorBoard and the progress printer get its figures in the same logs
-    trainer.callback_handler.callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))
+    throughput_first(trainer)
     first_step = int(Path(resume).name.split("-")[-1]) if resume else 0
     seconds, memory_per_process = train_measured(trainer, memory, resume)
     evaluation = trainer.evaluate()

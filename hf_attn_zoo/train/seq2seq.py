@@ -24,7 +24,11 @@ from ..evaluation.translation import labelled_nll
 from ..loading import resolve_source
 from ..pairs import build_pair_tokenizer, split_pairs, tokenize_pairs, write_pairs
 from .build import build_seq2seq_model, non_embedding_parameters, parameter_count
-from .callbacks import CheckpointCallback, MemoryCallback, ThroughputCallback, peak_flops
+from .callbacks import (
+    MemoryCallback,
+    run_callbacks,
+    throughput_first,
+)
 from .recipe import ModelArguments, ZooTrainingArguments
 from .run import (
     check_validation_fills_a_batch,
@@ -144,14 +148,9 @@ def run_seq2seq(
         processing_class=tokenizer,
         data_collator=collator,
         compute_metrics=translation_metrics(tokenizer),
-        callbacks=[
-            ThroughputCallback(tokens_per_step, flops_per_token, peak_flops()),
-            CheckpointCallback(details),
-            memory,
-            *callbacks,
-        ],
+        callbacks=run_callbacks(tokens_per_step, flops_per_token, details, memory, callbacks),
     )
-    trainer.callback_handler.callbacks.sort(key=lambda callback: not isinstance(callback, ThroughputCallback))
+    throughput_first(trainer)
     first_step = int(Path(resume).name.split("-")[-1]) if resume else 0
     seconds, memory_per_process = train_measured(trainer, memory, resume)
     evaluation = trainer.evaluate()
