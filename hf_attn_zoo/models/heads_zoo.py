@@ -50,6 +50,26 @@ __all__ = [
 logger = logging.get_logger(__name__)
 
 
+# what transformers reads off the top-level class: the base model's answers
+FLAGS_OF_THE_BASE = (
+    "_supports_sdpa",
+    "_supports_flash_attn",
+    "_supports_flex_attn",
+    "_supports_attention_backend",
+    "_can_compile_fullgraph",
+)
+
+
+def take_answers_of(cls: type, base: type[ZooModel]) -> None:
+    """What transformers reads off a top-level class (a head, a variant's encoder-decoder), taken from the variant's
+    base model: its config class, backend flags and whether it decodes from a state."""
+    cls.config_class = base.config_class
+    for flag in FLAGS_OF_THE_BASE:
+        setattr(cls, flag, getattr(base, flag))
+    # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt lookup
+    cls._is_stateful = base.attention_class.decodes_from_state()
+
+
 class ZooHead(ZooPreTrainedModel):
     """A variant's base model (`self.model`) under a head. A variant's head class names its `base_model_class`; that
     makes it the variant's head for `auto_class` (listed in `base_model_class.heads`, so in a checkpoint's
@@ -57,23 +77,11 @@ class ZooHead(ZooPreTrainedModel):
 
     auto_class: ClassVar[str]
     base_model_class: type[ZooModel]
-    # what transformers reads off the top-level class: the base model's answers
-    FLAGS_OF_THE_BASE = (
-        "_supports_sdpa",
-        "_supports_flash_attn",
-        "_supports_flex_attn",
-        "_supports_attention_backend",
-        "_can_compile_fullgraph",
-    )
 
     def __init_subclass__(cls, **kwargs) -> None:
         base = cls.__dict__.get("base_model_class")
         if base is not None:
-            cls.config_class = base.config_class
-            for flag in cls.FLAGS_OF_THE_BASE:
-                setattr(cls, flag, getattr(base, flag))
-            # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt lookup
-            cls._is_stateful = base.attention_class.decodes_from_state()
+            take_answers_of(cls, base)
         super().__init_subclass__(**kwargs)
         if base is not None:
             base.heads[cls.auto_class] = cls

@@ -39,7 +39,7 @@ from transformers.utils import can_return_tuple
 from .compat_zoo import CACHE_KWARG, returned_cache, takes_past_key_values
 from .configuration_zoo import ZooConfig
 from .encoder_decoder_zoo import SharedEmbeddingModel, TranslatorHead, shift_tokens_right
-from .heads_zoo import ZooHead
+from .heads_zoo import take_answers_of
 from .modeling_zoo import ZooModel, ZooPreTrainedModel
 
 __all__ = [
@@ -66,11 +66,7 @@ class ZooSeq2SeqPreTrainedModel(ZooPreTrainedModel):
     def __init_subclass__(cls, **kwargs) -> None:
         base = cls.__dict__.get("base_model_class")
         if base is not None:
-            cls.config_class = base.config_class
-            for flag in ZooHead.FLAGS_OF_THE_BASE:
-                setattr(cls, flag, getattr(base, flag))
-            # decodes from running sums that cannot be rolled back: generate refuses assisted and prompt lookup
-            cls._is_stateful = base.attention_class.decodes_from_state()
+            take_answers_of(cls, base)
         super().__init_subclass__(**kwargs)
 
     def __init__(self, config: ZooConfig) -> None:
