@@ -19,6 +19,7 @@ EXPERIMENTS = {
     "packing": ("speed.packing", "padding-free training against EOS packing: speed and held-out perplexity"),
     "sharded": ("speed.sharded", "FSDP2 and ZeRO-2/3 against DDP and one process: losses, tokens/s, memory"),
     "quality": ("quality.quality", "the quality board: every variant under one recipe, perplexity vs cache, seeds"),
+    "quality-ablations": ("quality.ablations", "one-seed ablations of the differential, sinusoidal and learned cells"),
     "uptrain": ("uptraining.uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union"),
     "uptrain-smollm2": ("uptraining.uptraining", "SmolLM2-135M pooled to MQA and uptrained: the recovery curve"),
     "convert-demo": ("uptraining.conversion", "the demo's MHA model to GQA/MQA by every pooling method"),

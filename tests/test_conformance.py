@@ -293,6 +293,33 @@ def test_differential_without_its_head_norm_matches_the_reference():
     assert (actual - normed).abs().max() > 1e-2  # the norm was left out, not ignored
 
 
+@pytest.mark.parametrize("hidden_size", [64, 128, 4096])
+def test_differential_head_norm_starts_at_a_values_rms(hidden_size):
+    """Each head's normalised output starts at `(1 - λ_init)·min(1, σ·sqrt(d))`, the scale of a value at init (σ =
+    initializer_range): the paper's 1 at its widths, 0.23 at 128, where a scale of 1 drowned the token embeddings."""
+    from hf_attn_zoo.models.differential import head_norm_init
+
+    config = VARIANTS["differential"].config(
+        hidden_size=hidden_size, num_attention_heads=hidden_size // 32, num_hidden_layers=2, vocab_size=96
+    )
+    expected = min(1.0, config.initializer_range * hidden_size**0.5)
+    assert head_norm_init(config) == pytest.approx(expected, rel=1e-12)
+    if hidden_size > 128:
+        return  # the formula alone: a 4,096-wide model is not built for it
+    model = VARIANTS["differential"].causal_lm_class(config).eval()
+    inputs = []
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.register_forward_hook(lambda module, args, out: inputs.append(args[0]))
+        assert torch.equal(layer.self_attn.head_norm.weight, torch.full((config.head_dim,), expected))
+    with torch.no_grad():
+        model(torch.randint(3, 96, (2, 16)))
+    for layer, head_outputs in zip(model.model.layers, inputs, strict=True):
+        # (B, T, H·d_h) -> (B, T, H, d_h): RMS per head, the RMSNorm's eps aside
+        per_head = head_outputs.view(2, 16, config.num_attention_heads, -1).pow(2).mean(-1).sqrt()
+        scale = (1 - layer.self_attn.lambda_init) * expected
+        torch.testing.assert_close(per_head, torch.full_like(per_head, scale), atol=1e-3 * scale, rtol=0)
+
+
 # outputs ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, position", CASES)
 def test_optional_outputs_and_tuples(name, position):

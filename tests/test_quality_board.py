@@ -186,11 +186,24 @@ def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
         }
     )
     verdicts = dict(quality.claims(rows, setup))
-    multi_head, mqa, alibi, aft, linformer = verdicts.values()
+    multi_head, mqa, alibi, aft, linformer, absolute, differential = verdicts.values()
     assert multi_head.startswith("holds: mha (rope) 20.50 ± 0.50 against single_head (rope) 22.50 ± 0.50")
     assert mqa.startswith("within noise") and "GQA's mean lies between them" in mqa
     assert aft.startswith("does not hold at this scale")
     assert alibi.startswith("not measured") and linformer.startswith("not measured (no finished cell of linformer")
+    assert absolute.startswith("not measured") and differential.startswith("not measured (no finished cell of diff")
+
+    # absolute positions and differential attention: within 10% of their neighbour, the worst comparison decides
+    near = rows + fake_rows({("gqa", "sinusoidal"): [22.0, 22.5, 23.0], ("gqa", "learned"): [30.0, 31.0, 32.0]})
+    near += fake_rows({("differential", "rope"): [21.5, 22.5, 23.5]})
+    verdicts_near = dict(quality.claims(near, setup))
+    absolute = verdicts_near[next(c for c in verdicts if c.startswith("Sinusoidal"))]
+    assert absolute.startswith("does not hold at this scale: holds: gqa (sinusoidal) 22.50 ± 0.50 against gqa (rope)")
+    assert (
+        "does not hold at this scale: gqa (learned) 31.00 ± 1.00 against gqa (rope) 21.00 ± 0.40, +47.6%" in absolute
+    )
+    differential = verdicts_near[next(c for c in verdicts if c.startswith("Differential"))]
+    assert differential == "holds: differential (rope) 22.50 ± 1.00 against gqa (rope) 21.00 ± 0.40, +7.1%"
 
     # Linformer is close when its mean is at most 5% above gqa's; further off, overlapping seeds are within noise
     for seeds, verdict in (

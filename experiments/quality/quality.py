@@ -531,18 +531,31 @@ def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
     else:
         extrapolation = "holds" if alibi and not any(reads for reads, _ in others) else "does not hold at this scale"
     extrapolation += ": " + "; ".join([alibi_text, *(text for _, text in others)])
-    linformer = key("linformer")
-    close = missing(linformer, gqa)
-    if close is None:
-        gap = statistics.fmean(values(grouped, linformer)) / statistics.fmean(values(grouped, gqa)) - 1
-        # close means a mean at most 5% above; further off, overlapping seeds cannot tell, apart ones say no
-        if gap <= 0.05:
+
+    def close_to(a: tuple[str, str], b: tuple[str, str], within: float) -> tuple[str, str]:
+        """(verdict, text): "holds" where a's mean is at most `within` above b's; further off, overlapping seeds
+        cannot tell (within noise) and apart ones say no."""
+        if (absent := missing(a, b)) is not None:
+            return "not measured", absent
+        gap = statistics.fmean(values(grouped, a)) / statistics.fmean(values(grouped, b)) - 1
+        if gap <= within:
             verdict = "holds"
-        elif compare(values(grouped, linformer), values(grouped, gqa)) <= 0:
+        elif compare(values(grouped, a), values(grouped, b)) <= 0:
             verdict = "within noise"
         else:
             verdict = "does not hold at this scale"
-        close = f"{verdict}: {show(linformer)} against {show(gqa)}, {gap:+.1%}"
+        return verdict, f"{verdict}: {show(a)} against {show(b)}, {gap:+.1%}"
+
+    def all_of(verdicts: list[tuple[str, str]]) -> str:
+        """One verdict over several comparisons: the worst of them, then each comparison's own text."""
+        order = ["does not hold at this scale", "not measured", "within noise", "holds"]
+        worst = min((verdict for verdict, _ in verdicts), key=order.index)
+        return f"{worst}: " + "; ".join(text for _, text in verdicts)
+
+    linformer = key("linformer")
+    close = close_to(linformer, gqa, 0.05)[1]
+    absolute = all_of([close_to((pv, p), (pv, "rope"), 0.10) for p in ("sinusoidal", "learned")])
+    differential = close_to(key("differential"), gqa, 0.10)[1]
     return [
         (
             "Multi-head attention beats one head of the same width (Vaswani et al. 2017)",
@@ -563,10 +576,22 @@ def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
             "heads",
             close,
         ),
+        (
+            "Sinusoidal and learned positions train within about 10% of rotary ones at the training length (Press et "
+            "al. 2022: sinusoidal, rotary, T5 bias and ALiBi within a few percent; Su et al. 2021)",
+            absolute,
+        ),
+        (
+            "Differential attention trains within about 10% of a Transformer of the same parameters (Ye et al. 2024 "
+            "find it better from 830M parameters up; a 162M replication finds it 3-4% worse)",
+            differential,
+        ),
     ]
 
 
-def board_table(rows: list[dict], setup: QualitySetup) -> str:
+def board_table(rows: list[dict], setup: QualitySetup, before: dict | None = None) -> str:
+    """The tables and claims; with `before` (before.json: rows a fix replaced and the fix of each configuration),
+    a section of those configurations' numbers before and after."""
     grouped = groups(rows)
     failed = [row for row in rows if "error" in row]
     lines = [
@@ -606,10 +631,29 @@ def board_table(rows: list[dict], setup: QualitySetup) -> str:
         )
     lines += ["", "Claims of the papers, checked (A beats B only where the seeds' ranges do not overlap):", ""]
     lines += [f"- **{claim}**: {verdict}." for claim, verdict in claims(rows, setup)]
+    if before:
+        lines += before_and_after(grouped, before)
     if failed:
         lines += ["", "Failed cells (a rerun tries them again):", ""]
         lines += [f"- {row['cell']}: {row['error']}" for row in failed]
     return "\n".join(lines)
+
+
+def before_and_after(grouped: dict, before: dict) -> list[str]:
+    """Lines of the configurations a fixed defect changed: test perplexity before (the replaced rows) and after."""
+    old = groups(before["rows"])
+    lines = [
+        "",
+        "Cells rerun after a fix (before: the rows the fix replaced, kept in before.json):",
+        "",
+        "| variant | positions | fix | test ppl before | test ppl after |",
+        "| --- | --- | --- | ---: | ---: |",
+    ]
+    for key in old:
+        fix = before["fixes"][f"{key[0]} {key[1]}"]
+        now = figure(values(grouped, key)) or "not rerun yet"
+        lines.append(f"| {key[0]} | {key[1]} | {fix} | {figure(values(old, key))} | {now} |")
+    return lines
 
 
 def configuration_label(variant: str, positions: str) -> str:
@@ -697,7 +741,8 @@ def board_figures(board: dict) -> dict[str, Callable[[Path], bool]]:
 def write_board(setup: QualitySetup, rows: list[dict], log: Callable[[str], None] = print) -> None:
     """board.md (the tables and the claims) and the plots, from the rows so far."""
     folder = Path(setup.output_dir)
-    table = board_table(rows, setup)
+    before = json.loads((folder / "before.json").read_text()) if (folder / "before.json").is_file() else None
+    table = board_table(rows, setup, before)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "board.md").write_text(table + "\n")
     drawn = draw_figures(folder, board_figures({"defining": setup.defining(), "rows": rows}))

@@ -82,9 +82,13 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
         rope_parameters (`dict`, *optional*): transformers' RoPE parameters; `rope_theta=` is accepted too. Only
             for `position_embedding_type="rope"`: other position types have none (`None`), and RoPE settings given
             to them are an error rather than silently ignored.
-        scale_embedding (`bool`, *optional*): multiply the token embeddings by sqrt(hidden_size). Defaults to True
-            with `sinusoidal` positions (Vaswani et al. 2017, whose sinusoids of amplitude 1 would otherwise drown
-            embeddings initialised at std `initializer_range`) and to False otherwise.
+        scale_embedding (`bool`, *optional*): multiply the token embeddings by sqrt(hidden_size), which then start
+            at std 1/sqrt(hidden_size) (Vaswani et al. 2017 with fairseq's and tensor2tensor's init: tokens enter at
+            RMS 1). Off by default, with every position type: the rest of the model is initialised at std
+            `initializer_range` (GPT-2), and a residual stream of RMS 1 left its layers' outputs 1% of it.
+        sinusoid_amplitude (`float`, *optional*): amplitude of `sinusoidal` positions. Defaults to 1 beside scaled
+            token embeddings (Vaswani et al.: both at RMS about 1) and to `initializer_range * sqrt(2)` beside unscaled
+            ones, so that positions enter at the token embeddings' RMS (docs/studies/quality.md measures both).
         initializer_range (`float`): standard deviation of the normal initialisation.
         scale_residual_init (`bool`): GPT-2's scaled init, std / sqrt(2L) for the projections that write into the
             residual stream (`o_proj`, `down_proj`).
@@ -150,6 +154,7 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
     position_embedding_type: str = "rope"
     rope_parameters: dict | None = None
     scale_embedding: bool | None = None
+    sinusoid_amplitude: float | None = None
     initializer_range: float = 0.02
     scale_residual_init: bool = True
     rms_norm_eps: float = 1e-6
@@ -194,8 +199,24 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             self.cross_attention_num_key_value_heads = self.num_attention_heads
         if self.cross_attention_additive_dim is None:
             self.cross_attention_additive_dim = self.head_dim
+        # saved explicitly, so that a checkpoint computes what it was trained as whatever later defaults become
+        self.scale_embedding = bool(self.scale_embedding)
+        if self.sinusoid_amplitude is None and self.position_embedding_type == "sinusoidal":
+            self.sinusoid_amplitude = 1.0 if self.scale_embedding else self.initializer_range * math.sqrt(2)
         super().__post_init__(**kwargs)
         self.validate()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' `from_dict`, reading a sinusoidal checkpoint saved before `sinusoid_amplitude` existed
+        (its `scale_embedding` null) as the model it was: tokens scaled by sqrt(d), sinusoids of amplitude 1."""
+        if (
+            config_dict.get("position_embedding_type") == "sinusoidal"
+            and "sinusoid_amplitude" not in config_dict
+            and config_dict.get("scale_embedding") is None
+        ):
+            config_dict = {**config_dict, "scale_embedding": True, "sinusoid_amplitude": 1.0}
+        return super().from_dict(config_dict, **kwargs)
 
     @property
     def variant_name(self) -> str:

@@ -6,7 +6,9 @@ maps and two key maps of width d and one value of width 2d. Its attention is the
 paper's reparameterisation, `λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init`, with one set of four d-vectors per layer and
 `λ_init = 0.8 - 0.6·exp(-0.3·(l - 1))` at layer l (1-based). Each head's output goes through its own RMSNorm (the
 paper's per-head GroupNorm), scaled by `1 - λ_init`, before the output projection (`differential_head_norm=False`
-leaves both out, as the paper's ablation without GroupNorm does).
+leaves both out, as the paper's ablation without GroupNorm does). Deviation from the paper's code: the norm's affine
+scale starts at a value's RMS at init, `min(1, initializer_range·sqrt(hidden_size))`, not at 1 — the same at the
+paper's widths, and the difference between gqa's perplexity and twice it at width 128 (`head_norm_init`).
 
 Sizes: `head_dim` is a head's width as transformers counts it, the width of its value and of its cache, 2d: its two
 query/key maps are `head_dim / 2` wide each (the paper's code calls that half `head_dim`). It defaults to
@@ -72,6 +74,15 @@ class ZooDifferentialConfig(ZooConfig):
             )
 
 
+def head_norm_init(config: ZooDifferentialConfig) -> float:
+    """The head norm's scale at initialisation: the RMS a value has at init, `initializer_range·sqrt(hidden_size)`,
+    at most 1. The paper's code starts the scale at 1 at widths (2,048 to 3,072, std about 0.02) where a value's RMS
+    is about 1 anyway, so the norm leaves each head's output at a value's scale. At width 128 a value's RMS is 0.23:
+    a scale of 1 makes every attention branch write 20 times what MHA's does into a residual stream of RMS 0.02,
+    drowning the token embeddings, and the model trained to twice gqa's perplexity (docs/studies/quality.md)."""
+    return min(1.0, config.initializer_range * math.sqrt(config.hidden_size))
+
+
 class ZooDifferentialAttention(ZooMultiHeadAttention):
     """Queries and keys of two maps per head (`(B, 2H, T, d)`, `(B, 2G, T, d)`: map i of head h at 2h + i, d =
     head_dim / 2), values `(B, G, T, head_dim)`; the two maps through the backend, subtracted with the layer's λ,
@@ -116,6 +127,8 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
     def init_parameters(self, config: ZooDifferentialConfig) -> None:
         for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             init.normal_(vector, mean=0.0, std=0.1)  # the paper's initialisation
+        if self.head_norm is not None:
+            init.constant_(self.head_norm.weight, head_norm_init(config))
 
     def differential_lambda(self) -> torch.Tensor:
         """λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init, a scalar."""

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.masking_utils import create_causal_mask
@@ -48,9 +49,12 @@ class ZooRMSNorm(nn.Module):
 
 
 class ZooScaledEmbedding(nn.Embedding):
-    """Token embeddings times sqrt(d), as Vaswani et al. (2017) scale them under sinusoidal positions: sinusoids of
-    amplitude 1 would otherwise drown embeddings initialised at std `initializer_range` (0.02). The scale lives in
-    the module, so `get_input_embeddings()(input_ids)` passed as `inputs_embeds` equals passing `input_ids`."""
+    """Token embeddings initialised at std 1/sqrt(d) and multiplied by sqrt(d), as Vaswani et al. (2017) do beside
+    sinusoidal positions (tensor2tensor's and fairseq's init and scale): a token then enters the residual stream at
+    RMS 1, beside sinusoids of RMS 1/sqrt(2), whatever the width. The scale alone, on embeddings initialised at
+    `initializer_range` (0.02), gives tokens of RMS 0.02·sqrt(d), 0.23 at d = 128: the positions outweigh them 3 to
+    1 and the model trains to twice the perplexity (docs/studies/quality.md measures it). The scale lives in the
+    module, so `get_input_embeddings()(input_ids)` passed as `inputs_embeds` equals passing `input_ids`."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_idx)
@@ -58,6 +62,22 @@ class ZooScaledEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
         return super().forward(input_ids) * self.embed_scale
+
+    def init_parameters(self, config) -> None:
+        init.normal_(self.weight, mean=0.0, std=self.embedding_dim**-0.5)
+        if self.padding_idx is not None:
+            init.zeros_(self.weight[self.padding_idx])
+
+
+class ZooLearnedPositions(nn.Embedding):
+    """GPT-2's learned absolute positions, a table of `max_position_embeddings` rows, started at zero: an untrained
+    model is then the NoPE model, and the table holds only what gradients put there. At GPT-2's std (0.02, as large
+    as the token embeddings) each position adds a random vector that the model must first learn to ignore; in the
+    quality board's 489 steps the table hardly moves (RMS 0.020 to 0.021) and the model trained to 1.7 times RoPE's
+    perplexity, worse than no positions at all (docs/studies/quality.md)."""
+
+    def init_parameters(self, config) -> None:
+        init.zeros_(self.weight)
 
 
 def make_norm(config: ZooConfig) -> nn.Module:

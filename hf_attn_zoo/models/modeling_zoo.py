@@ -55,6 +55,7 @@ from .layers_zoo import (
     BACKENDS,
     ZooAttention,
     ZooDecoderLayer,
+    ZooLearnedPositions,
     ZooModule,
     ZooScaledEmbedding,
     make_norm,
@@ -99,7 +100,7 @@ class ZooPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, (ZooModule, ZooCrossAttention)):
+        if isinstance(module, (ZooModule, ZooCrossAttention, ZooScaledEmbedding, ZooLearnedPositions)):
             module.init_parameters(self.config)
         # GPT-2: the projections writing into the residual stream start smaller, std / sqrt(2L), so the variance of
         # the stream does not grow with depth. Decided on the projection itself, not on its decoder layer:
@@ -202,11 +203,14 @@ class ZooModel(ZooPreTrainedModel):
         self.padding_idx = config.pad_token_id
         # read once: config attribute access is slow, and the forward runs once per generated token
         self.position_embedding_type = position_type = config.position_embedding_type
-        scaled = position_type == "sinusoidal" if config.scale_embedding is None else config.scale_embedding
+        scaled = bool(config.scale_embedding)  # Vaswani's sqrt(d), opt-in: see ZooScaledEmbedding
         embedding = ZooScaledEmbedding if scaled else nn.Embedding
+        self.sinusoid_amplitude = config.sinusoid_amplitude  # read once, as the position type
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.embed_positions = (
-            nn.Embedding(config.max_position_embeddings, config.hidden_size) if position_type == "learned" else None
+            ZooLearnedPositions(config.max_position_embeddings, config.hidden_size)
+            if position_type == "learned"
+            else None
         )
         self.rotary_emb = (
             ZooRotaryEmbedding(config, self.attention_class.rotary_dim(config)) if position_type == "rope" else None
@@ -450,9 +454,8 @@ class ZooModel(ZooPreTrainedModel):
             self._check_learned_positions(position_ids)
             hidden_states = hidden_states + self.embed_positions(position_ids)
         elif self.position_embedding_type == "sinusoidal":
-            hidden_states = hidden_states + sinusoidal_embedding(
-                position_ids, self.config.hidden_size, hidden_states.dtype
-            )
+            sinusoids = sinusoidal_embedding(position_ids, self.config.hidden_size, hidden_states.dtype)
+            hidden_states = hidden_states + self.sinusoid_amplitude * sinusoids
         if self.training and self.config.hidden_dropout:
             hidden_states = F.dropout(hidden_states, self.config.hidden_dropout, training=True)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
