@@ -225,7 +225,9 @@ def run(setup: LlamaCppSetup) -> list[dict]:
                     "same_tokens_as_zoo": same,
                 }
             )
+    load = os.getloadavg()[0]  # the machine is shared: a load above its cores slows every engine alike
     for row in rows:
+        row["load_average"] = load
         row["prefill_tokens_per_second"] = len(prompt) / row["prefill_seconds"]
         row["decode_tokens_per_second"] = (setup.new_tokens - 1) / row["decode_seconds"]
     write_results(setup.output_dir, "llama_cpp", rows, table(rows, setup))
@@ -237,7 +239,8 @@ def table(rows: list[dict], setup: LlamaCppSetup) -> str:
     base = rows[0]
     lines = [
         f"{model}; greedy, batch 1, {setup.new_tokens} tokens after a {setup.prompt_len}-token prompt, "
-        f"{setup.threads} threads, fastest of {setup.runs}; {LLAMA_CPP_PYTHON}.",
+        f"{setup.threads} threads, fastest of {setup.runs}; {LLAMA_CPP_PYTHON}; load average "
+        f"{base['load_average']:.1f} on {os.cpu_count()} cores at the end of the run.",
         "",
         "| engine | prefill tok/s | decode tok/s | decode vs zoo | greedy tokens equal to the zoo's |",
         "| --- | ---: | ---: | ---: | ---: |",
