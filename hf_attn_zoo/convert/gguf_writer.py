@@ -64,7 +64,7 @@ def gguf_refusal(config) -> str | None:
         if not config.latent_norm or config.rope_frequencies is not None:
             return (
                 "latent_norm=False / rope_frequencies (a converted MLA): llama.cpp's deepseek2 normalises the latent "
-                "and rotates every layer by one ladder"
+                "and has no bias to hold the constant channel that cancels the norm in the DeepSeek-V3 export"
             )
         if config.qk_nope_head_dim < 1:
             return "qk_nope_head_dim=0: llama.cpp's deepseek2 needs a RoPE-free part in every query head"
