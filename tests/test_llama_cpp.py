@@ -6,11 +6,12 @@ embedded tokenizer tokenizes as the checkpoint's; every variant llama.cpp has no
 with the reason, the output folder untouched.
 
 Slow (llama.cpp through llama-cpp-python, built once into a cached environment: experiments/speed/llama_cpp.py): for
-every variant llama.cpp has an architecture for (the MHA family as `llama`, MLA as `deepseek2`), 64 greedy tokens
-from llama.cpp on the f32 file equal the zoo's `generate()`, llama.cpp tokenizes a few strings as the zoo's tokenizer
-does, and its prompt logits match; q8_0's drift is measured (a loose bound asserted) and f16 loads and generates. The
-sliding window's refusal is measured too: llama.cpp's `llama` architecture, given the window's weights, computes full
-attention, which leaves the window model's tokens once the prompt is longer than the window.
+every variant llama.cpp has an architecture for (the MHA family as `llama`, the sliding window as `granite_swa`, MLA
+as `deepseek2`), 64 greedy tokens from llama.cpp on the f32 file equal the zoo's `generate()` (for the window, a
+prompt and a continuation far longer than it), llama.cpp tokenizes a few strings as the zoo's tokenizer does, and its
+prompt logits match; q8_0's drift is measured (a loose bound asserted) and f16 loads and generates. Why the window is
+not written as `llama` is measured too: llama.cpp's `llama` architecture, given the window's weights, computes full
+causal attention, which leaves the window model's tokens once the prompt is longer than the window.
 """
 
 import pytest
@@ -83,7 +84,9 @@ def test_gguf_is_read_back_with_the_zoo_logits_or_refused(name, tokenizer, tmp_p
 
         reader = GGUFReader(path)
         assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == architecture
-        assert len(reader.tensors) == len(zoo.state_dict()) - (1 if zoo.config.tie_word_embeddings else 0)
+        sinks = zoo.config.num_hidden_layers if architecture == "granite_swa" else 0  # one sink vector per layer
+        tied = 1 if zoo.config.tie_word_embeddings else 0
+        assert len(reader.tensors) == len(zoo.state_dict()) - tied + sinks
         return
     # transformers' GGUF reader: an independent implementation of the format and of llama.cpp's RoPE row order
     loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name).eval()
@@ -171,8 +174,9 @@ def test_llama_cpp_q8_0_drift_is_measured_and_f16_runs(llama_cpp, tokenizer, tmp
 
 @pytest.mark.slow
 def test_llama_cpps_llama_architecture_ignores_the_sliding_window(llama_cpp, tokenizer, tmp_path):
-    """Why the sliding window is refused: its weights written as `llama` (a gqa model with the same state dict)
-    make llama.cpp compute full causal attention, whose tokens leave the window model's past the window."""
+    """Why the sliding window is written as `granite_swa`, not `llama`: its weights written as `llama` (a gqa model
+    with the same state dict) make llama.cpp compute full causal attention, whose tokens leave the window model's
+    past the window."""
     from experiments.speed.llama_cpp import run_llama_cpp
 
     _, windowed = zoo_checkpoint(tmp_path / "zoo", "sliding_window", tokenizer)

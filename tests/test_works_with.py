@@ -25,7 +25,5 @@ def test_every_client_has_an_answer_for_every_variant():
         assert set(outcomes) == {name for name in VARIANTS if name in CONFORMANCE}, client
         for name, outcome in outcomes.items():
             assert outcome == "works" or outcome.startswith("refused: ") and len(outcome) > 20, (client, name)
-            # llama.cpp's llama architecture ignores the window (measured in test_llama_cpp.py): the one exception
-            window_in_llama_cpp = client == "llama_cpp" and VARIANTS[name].family == "sliding_window"
-            if VARIANTS[name].family in ("mha", "sliding_window") and not window_in_llama_cpp:
+            if VARIANTS[name].family in ("mha", "sliding_window"):
                 assert outcome == "works", (client, name, outcome)

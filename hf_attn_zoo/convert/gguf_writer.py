@@ -1,15 +1,19 @@
 """Zoo checkpoints as GGUF files that llama.cpp (and ollama, llama-cpp-python) run, written with the `gguf` package.
 
-Two llama.cpp architectures hold zoo variants (the attention class's `gguf_architecture`): `llama` for the MHA family
-(grouped key/value heads through `head_count_kv`) and `deepseek2` for MLA (every layer dense:
-`leading_dense_block_count` = the layer count; the latent up-projected by `attn_kv_b`, llama.cpp's path without
-absorption). Tensor names and metadata keys come from the `gguf` package's constants (`MODEL_TENSOR`,
-`GGUFWriter.add_*`), and two of llama.cpp's conventions matter for the numbers:
+Three llama.cpp architectures hold zoo variants (the attention class's `gguf_architecture`): `llama` for the MHA family
+(grouped key/value heads through `head_count_kv`), `granite_swa` for the sliding window, and `deepseek2` for MLA (every
+layer dense: `leading_dense_block_count` = the layer count; the latent up-projected by `attn_kv_b`, llama.cpp's path
+without absorption). llama.cpp's `llama` ignores `sliding_window` (measured: it attends over the whole context);
+`granite_swa` is Llama's layout with llama.cpp's standard window (a key at distance >= `sliding_window` is masked: w
+keys, the query's own included, as transformers' mask) on the layers its pattern marks, here all of them, with a
+logit scale of 1 and per-head attention sinks of -1e30 (a sink adds exp(sink) to the softmax's denominator: nothing).
+Tensor names and metadata keys come from the `gguf` package's constants (`MODEL_TENSOR`, `GGUFWriter.add_*`), and
+two of llama.cpp's conventions matter for the numbers:
 
-- RoPE: llama.cpp's `llama` and `deepseek2` rotate adjacent channel pairs (2i, 2i + 1), the zoo pairs i with i + d/2.
-  The rows producing rotated channels (a head's rows of `q_proj` and `k_proj` and their biases; MLA's RoPE rows of
-  the queries and of `kv_a_proj_with_mqa`) are reordered so that llama.cpp's pairs are the zoo's: row 2i + j of a
-  rotated block is row j·d/2 + i of the original.
+- RoPE: llama.cpp's `llama`, `granite_swa` and `deepseek2` rotate adjacent channel pairs (2i, 2i + 1), the zoo
+  pairs i with i + d/2. The rows producing rotated channels (a head's rows of `q_proj` and `k_proj` and their
+  biases; MLA's RoPE rows of the queries and of `kv_a_proj_with_mqa`) are reordered so that llama.cpp's pairs are
+  the zoo's: row 2i + j of a rotated block is row j·d/2 + i of the original.
 - Types: f32 keeps every tensor in float32; f16 stores matrices in float16 and keeps the norms' vectors in float32,
   as llama.cpp's own converter does; q8_0 quantises matrices whose rows are a multiple of its 32-value block and
   stores the others in float16.
@@ -45,11 +49,6 @@ def gguf_refusal(config) -> str | None:
     variant = get_variant(config.model_type)
     architecture = variant.attention_class.gguf_architecture
     if architecture is None:
-        if variant.family == "sliding_window":
-            return (
-                "llama.cpp's llama architecture ignores sliding_window and attends over the whole context (measured: "
-                "past the window its tokens are full attention's, not the window's)"
-            )
         return "llama.cpp has no architecture that computes its attention"
     for field, required in LLAMA_BACKBONE.items():
         if getattr(config, field) != required:
@@ -170,6 +169,17 @@ def add_llama_metadata(writer, config) -> None:
     writer.add_rope_dimension_count(config.head_dim)
 
 
+def add_granite_swa_metadata(writer, config) -> None:
+    add_llama_metadata(writer, config)
+    writer.add_logit_scale(1.0)  # granite divides the logits by it
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([True] * config.num_hidden_layers)  # every layer attends through the window
+    writer.add_rope_freq_base_swa(float(config.rope_parameters["rope_theta"]))
+
+
+NO_SINK = -1e30  # an attention sink's logit: exp(NO_SINK - max) is 0 in every softmax
+
+
 def add_deepseek2_metadata(writer, config) -> None:
     # the non-absorbed MLA of llama.cpp: every head's keys and values up-projected, like MHA with H key/value heads
     writer.add_head_count_kv(config.num_attention_heads)
@@ -194,7 +204,7 @@ def layer_tensor_names(architecture: str) -> dict[str, tuple]:
     }
     projections = {"mlp.gate_proj": kind.FFN_GATE, "mlp.up_proj": kind.FFN_UP, "mlp.down_proj": kind.FFN_DOWN}
     projections["self_attn.o_proj"] = kind.ATTN_OUT
-    if architecture == "llama":
+    if architecture in ("llama", "granite_swa"):
         projections.update({"self_attn.q_proj": kind.ATTN_Q, "self_attn.k_proj": kind.ATTN_K})
         projections["self_attn.v_proj"] = kind.ATTN_V
     else:
@@ -217,7 +227,7 @@ def layer_tensor_names(architecture: str) -> dict[str, tuple]:
 
 def rotary_rows(config, architecture: str, rest: str, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (a layer's `rest`) with the rows that RoPE rotates in llama.cpp's pair order."""
-    if architecture == "llama":
+    if architecture in ("llama", "granite_swa"):
         if rest.startswith("self_attn.q_proj"):
             return permute_rotary(tensor, config.num_attention_heads)
         if rest.startswith("self_attn.k_proj"):
@@ -232,7 +242,7 @@ def rotary_rows(config, architecture: str, rest: str, tensor: torch.Tensor) -> t
 
 def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", name: str | None = None) -> Path:
     """Write a zoo causal LM and its tokenizer as one GGUF file for llama.cpp (`llama` for the MHA family,
-    `deepseek2` for MLA)."""
+    `granite_swa` for the sliding window, `deepseek2` for MLA)."""
     import gguf
 
     config = model.config
@@ -257,7 +267,8 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    (add_llama_metadata if architecture == "llama" else add_deepseek2_metadata)(writer, config)
+    metadata = {"llama": add_llama_metadata, "granite_swa": add_granite_swa_metadata}
+    metadata.get(architecture, add_deepseek2_metadata)(writer, config)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
@@ -285,6 +296,11 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
             writer.add_tensor(target, array)
         else:
             writer.add_tensor(target, array, raw_dtype=raw_dtype)  # the logical shape follows from the bytes
+
+    if architecture == "granite_swa":
+        sinks = np.full((config.num_attention_heads,), NO_SINK, dtype=np.float32)
+        for layer in range(config.num_hidden_layers):
+            writer.add_tensor(f"{names[gguf.MODEL_TENSOR.ATTN_SINKS].format(bid=layer)}.weight", sinks)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
