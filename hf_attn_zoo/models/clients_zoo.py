@@ -33,6 +33,9 @@ __all__ = [
 INSTEAD = {
     "serve-cb": "serve it without `--continuous_batching`",
     "kvpress": "decode with the full cache",
+    "native": "serve it with `hf-attn-zoo serve`, or load it with trust_remote_code",
+    "llama_cpp": "export it `--to native` (transformers, vLLM) where it has a native architecture, or serve it with "
+    "`hf-attn-zoo serve`",
 }
 
 STATE = "it decodes from a running state per layer"
