@@ -109,7 +109,7 @@ class TranslationSetup(Results):
     gqa_key_value_heads: int = field(default=2, metadata={"help": "key/value heads of GQA (decoder)"})
     vocab_size: int = field(default=4000, metadata={"help": "the shared BPE's vocabulary"})
     max_length: int = field(default=64, metadata={"help": "longest source / target in tokens (longer pairs dropped)"})
-    batch_size: int = field(default=32, metadata={"help": "pairs per step"})
+    batch_size: int = field(default=16, metadata={"help": "pairs per step"})
     learning_rate: float = field(default=2e-3, metadata={"help": "peak learning rate of every cell"})
     warmup_fraction: float = field(default=0.05, metadata={"help": "warm-up steps as a fraction of a run's"})
     uptrain_learning_rate: float = field(
