@@ -168,8 +168,12 @@ def verdicts(rows: list[dict], **fields) -> dict[str, str]:
 
 
 def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
-    rows = synthetic("rnn", "none", [2.0, 2.2, 2.1], bleu_by_length=buckets([3, 3, 3], [1, 1, 1]))
-    rows += synthetic("rnn", "bahdanau", [5.0, 5.5, 5.2], bleu_by_length=buckets([4, 4, 4], [5, 6, 5]))
+    rows = synthetic(
+        "rnn", "none", [2.0, 2.2, 2.1], bleu_by_length=buckets([3, 3, 3], [1, 1, 1]), test_perplexity=[300.0] * 3
+    )
+    rows += synthetic(
+        "rnn", "bahdanau", [5.0, 5.5, 5.2], bleu_by_length=buckets([4, 4, 4], [5, 6, 5]), test_perplexity=[200.0] * 3
+    )
     rows += synthetic("rnn", "luong", [1.0, 6.0, 3.0], bleu_by_length=buckets([3, 3, 3], [1, 1, 1]))
     rows += synthetic("transformer", "mha", [4.0, 4.5, 4.2], tokens_per_second=[3000.0, 3100.0, 2900.0])
     rows += synthetic("transformer", "mqa", [4.1, 4.3, 4.4], cache_bytes_per_source_token=512.0)
@@ -178,6 +182,9 @@ def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
     by_start = {claim.split(" (")[0]: verdict for claim, verdict in found.items()}
     assert by_start["Attention beats the same RNN without it"].startswith(
         "holds: RNN + Bahdanau 5.23 ± 0.25 [5.00-5.50]"
+    )
+    assert (
+        "; on test perplexity holds: RNN + Bahdanau 200.0 ± 0.0" in by_start["Attention beats the same RNN without it"]
     )
     assert by_start["Luong's attention beats the same RNN without it"].startswith("within noise")
     # the gap grows from 1 (short) to 4-5 (long) on every seed
@@ -236,3 +243,13 @@ def test_the_docs_verdicts_are_the_committed_boards_own():
     docs = translation.DOCS.read_text()
     assert docs.split(begin, 1)[1].split(end, 1)[0].strip() == block
     assert block in (board.parent / "board.md").read_text()
+    readme = translation.README.read_text().split("\n")
+    assert translation.readme_row(stored["rows"], setup) in readme
+
+
+def test_the_readme_row_is_replaced_by_its_question(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"| q | m | w |\n{translation.README_ROW} old | link |\n| other | row | x |\n")
+    assert translation.write_readme(f"{translation.README_ROW} new | link |", readme)
+    assert readme.read_text() == f"| q | m | w |\n{translation.README_ROW} new | link |\n| other | row | x |\n"
+    assert not translation.write_readme("x", tmp_path / "absent.md")

@@ -67,6 +67,8 @@ from hf_attn_zoo.pairs import seq2seq_tokenizer
 
 STUDY = Path(__file__).resolve().parent
 DOCS = REPOSITORY / "docs" / "translation.md"
+README = REPOSITORY / "README.md"
+README_ROW = "| How much does attention help a small translator? |"
 BOOK = re.compile(r"^(.*) \d+:\d+$")  # "1 John 3:16" -> "1 John"
 MLP_MULTIPLE = 8
 MATCH_TOLERANCE = 0.01
@@ -129,6 +131,9 @@ class TranslationSetup(Results):
     calibration_pairs: int = field(default=64, metadata={"help": "training pairs the calibrated conversions read"})
     alignment_verses: int = field(default=2, metadata={"help": "test verses whose cross-attention is drawn"})
     threads: int = field(default=1, metadata={"help": "torch threads"})
+    device: str = field(
+        default="cpu", metadata={"help": "where cells train and decode: cpu, or cuda for the GPU recipe"}
+    )
 
     # the options that define what a row means: a board is resumed only with the same ones
     DEFINING = (
@@ -464,7 +469,7 @@ def train(model, corpus: Corpus, setup: TranslationSetup, steps: int, seed: int,
     start = time.perf_counter()
     for _ in range(steps):
         pairs = next(stream)
-        batch = collate(pairs, pad)
+        batch = {name: tensor.to(model.device) for name, tensor in collate(pairs, pad).items()}
         loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -510,7 +515,7 @@ def translate(model, tokenizer, sources: list[str], num_beams: int, max_new_toke
     size = 50 if num_beams == 1 else 25
     for start in range(0, len(order), size):
         chosen = order[start : start + size]
-        inputs = tokenizer([sources[i] for i in chosen], return_tensors="pt", padding=True)
+        inputs = tokenizer([sources[i] for i in chosen], return_tensors="pt", padding=True).to(model.device)
         generated = model.generate(
             **inputs, num_beams=num_beams, do_sample=False, max_new_tokens=max_new_tokens
         )  # (B, 1 + T)
@@ -555,7 +560,7 @@ def cross_cache_bytes(model, setup: TranslationSetup) -> float:
     config = model.config
     source = torch.randint(3, config.vocab_size, (rows, source_length), generator=torch.Generator().manual_seed(2))
     out = model.generate(
-        source,
+        source.to(model.device),
         max_new_tokens=2,
         min_new_tokens=2,
         do_sample=False,
@@ -628,13 +633,13 @@ def parent_folder(setup: TranslationSetup) -> Path:
 
 
 def parent_model(setup: TranslationSetup, corpus: Corpus):
-    """The trained MHA parent, as the parent cell saved it."""
+    """The trained MHA parent, as the parent cell saved it, on the CPU (conversions run there)."""
     path = parent_folder(setup) / "model.pt"
     if not path.is_file():
         raise FileNotFoundError(f"no {path}: the parent cell has not finished")
     variant, fields, _, _ = cell_spec(setup, Cell("parent", "mha", setup.seeds[0]), special_tokens(corpus.tokenizer))
     model = build(variant, fields, setup.seeds[0], setup.max_length)
-    model.load_state_dict(torch.load(path, weights_only=True))
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model.eval()
 
 
@@ -668,7 +673,7 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
                 (torch.tensor([s]), torch.tensor([t])) for s, t in corpus.train[: setup.calibration_pairs]
             ]  # (1, S), (1, T) each
         start = time.perf_counter()
-        model = seq2seq_mha_to_gqa(parent, groups, method, calibration=calibration)
+        model = seq2seq_mha_to_gqa(parent, groups, method, calibration=calibration).to(setup.device)
         row["conversion_seconds"] = round(time.perf_counter() - start, 2)
         row |= {"target": target_kind, "method": method, "alpha": alpha, "key_value_heads": groups}
         row["parameters"] = sum(p.numel() for p in model.parameters())
@@ -681,7 +686,7 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
             row |= {"steps": 0, "train_tokens": 0, "train_seconds": 0.0, "tokens_per_second": 0.0}
         row |= evaluate(model, corpus, setup, beams=False)
     else:
-        model = build(variant, fields, cell.seed, setup.max_length)
+        model = build(variant, fields, cell.seed, setup.max_length).to(setup.device)
         factor = setup.parent_factor if cell.family == "parent" else 1.0
         steps = steps_for(factor * setup.budget, corpus, setup)
         row |= train(model, corpus, setup, steps, cell.seed, setup.learning_rate)
@@ -786,7 +791,21 @@ def missing(grouped: dict, *keys: tuple[str, str]) -> str | None:
 def higher(grouped: dict, a: tuple[str, str], b: tuple[str, str], metric: str = "bleu", digits: int = 2) -> str:
     """Whether `a` scores above `b` beyond noise (every seed of a above every seed of b), with the numbers."""
     verdict = VERDICT[compare(values(grouped, a, metric), values(grouped, b, metric))]
-    return f"{verdict}: {show(grouped, a, metric, digits)} against {show(grouped, b, metric, digits)}"
+    text = f"{verdict}: {show(grouped, a, metric, digits)} against {show(grouped, b, metric, digits)}"
+    return text + (lower_perplexity(grouped, a, b) if metric == "bleu" else "")
+
+
+def lower_perplexity(grouped: dict, a: tuple[str, str], b: tuple[str, str]) -> str:
+    """The same comparison on the test references' perplexity (lower is better), which separates models that BLEU,
+    near the floor at this scale, cannot; empty where the rows have none."""
+    ours, theirs = values(grouped, a, "test_perplexity"), values(grouped, b, "test_perplexity")
+    if not ours or not theirs:
+        return ""
+    verdict = VERDICT[-compare(ours, theirs)]
+    return (
+        f"; on test perplexity {verdict}: {label(a)} {spread_text(ours, 1)} against {label(b)} "
+        f"{spread_text(theirs, 1)}"
+    )
 
 
 def bucket_bleu(rows: list[dict], bucket: str) -> list[float]:
@@ -820,7 +839,7 @@ def matches(grouped: dict, a: tuple[str, str], b: tuple[str, str]) -> str:
         verdict += " (within noise)"
     elif relation > 0:
         verdict += f" ({label(a)} above, beyond noise)"
-    return f"{verdict}: {show(grouped, a)} against {show(grouped, b)}"
+    return f"{verdict}: {show(grouped, a)} against {show(grouped, b)}{lower_perplexity(grouped, a, b)}"
 
 
 def close_to(grouped: dict, a: tuple[str, str], b: tuple[str, str]) -> str:
@@ -833,7 +852,7 @@ def close_to(grouped: dict, a: tuple[str, str], b: tuple[str, str]) -> str:
         verdict = "within noise"
     else:
         verdict = "does not hold at this scale"
-    return f"{verdict}: {show(grouped, a)}, {ratio:.0%} of {show(grouped, b)}"
+    return f"{verdict}: {show(grouped, a)}, {ratio:.0%} of {show(grouped, b)}{lower_perplexity(grouped, a, b)}"
 
 
 def cache_of(grouped: dict, key: tuple[str, str]) -> float:
@@ -1129,7 +1148,7 @@ def plot_frontier(rows: list[dict], path: Path) -> bool:
             spans.append((mean - spread, mean + spread))
         axis.margins(x=0.15, y=0.12)
         axis.set_xlabel("cross-attention cache (bytes per token of the source, float32)")
-        axis.set_ylabel("test BLEU, greedy")
+        axis.set_ylabel("test score (BLEU, greedy)")
         axis.set_title("mean of the seeds, bar: one standard deviation; square: RNN, circle: Transformer")
         place_labels(axis, points, names, colours, spans)
         save_figure(fig, path)
@@ -1160,7 +1179,7 @@ def plot_lengths(rows: list[dict], buckets: list[int], path: Path) -> bool:
             )
         axis.set_xticks(range(len(names)), [f"{n} tokens" for n in names])
         axis.set_xlabel("source length (tokens)")
-        axis.set_ylabel("test BLEU, greedy")
+        axis.set_ylabel("test score (BLEU, greedy)")
         axis.set_title("BLEU by source length, mean of the seeds, bar: one standard deviation")
         fig.legend(loc="outside right upper")
         save_figure(fig, path)
@@ -1204,25 +1223,37 @@ def plot_uptraining(rows: list[dict], path: Path) -> bool:
             axis.set_title(f"{target.upper()} in the decoder (self + cross)")
             axis.set_xlabel("alpha (fraction of the parent's steps)")
             axis.legend(loc="lower right")
-        axes[0].set_ylabel("test BLEU, greedy")
+        axes[0].set_ylabel("test score (BLEU, greedy)")
         save_figure(fig, path)
     return True
 
 
+ALIGNMENT_ROWS = 40  # target tokens drawn per verse: a weak model's translation can run to the length limit
+
+
 def plot_alignment(rows: list[dict], path: Path) -> bool:
-    """The stored cross-attention maps: one row per model, one column per verse."""
+    """The stored cross-attention maps: one row per model, one column per verse, each panel as tall as its
+    translation (at most `ALIGNMENT_ROWS` tokens) so that its token names never overlap."""
     plt = headless_pyplot()
     drawn = [row for row in rows if "error" not in row and row.get("alignment")]
     if plt is None or not drawn:
         return False
     columns = max(len(row["alignment"]) for row in drawn)
+    tall = [max(min(len(e["target"]), ALIGNMENT_ROWS) for e in row["alignment"]) for row in drawn]
+    heights = [1.6 + 0.16 * n for n in tall]  # inches: a 7-point token name is about 0.12 inch
     with house_style():
         fig, axes = plt.subplots(
-            len(drawn), columns, figsize=(6.5 * columns, 5.5 * len(drawn)), squeeze=False, layout="constrained"
+            len(drawn),
+            columns,
+            figsize=(6.5 * columns, sum(heights) + 0.6),
+            squeeze=False,
+            layout="constrained",
+            gridspec_kw={"height_ratios": heights},
         )
         for row, line in zip(drawn, axes):
             for axis, entry in zip(line, row["alignment"]):
-                weights = entry["weights"]
+                entry = {**entry, "target": entry["target"][:ALIGNMENT_ROWS]}
+                weights = entry["weights"][:ALIGNMENT_ROWS]
                 axis.imshow(weights, cmap="Greys", vmin=0, vmax=1, aspect="auto")
                 axis.grid(False)
                 axis.set_xticks(
@@ -1235,9 +1266,14 @@ def plot_alignment(rows: list[dict], path: Path) -> bool:
                     range(len(entry["target"])), [repr(t)[1:-1] or "␣" for t in entry["target"]], fontsize=7
                 )
                 axis.set_title(label((row["family"], row["config"])), fontsize=9)
+                axis.set_xlabel("source tokens (English)")
+                axis.set_ylabel("translation tokens (Spanish)")
             for axis in line[len(row["alignment"]) :]:
                 axis.set_visible(False)
-        fig.suptitle("cross-attention weight of each target token (rows) on the source tokens (columns), last layer")
+        fig.suptitle(
+            "cross-attention weight of each target token (rows) on the source tokens (columns), last layer, "
+            f"first {ALIGNMENT_ROWS} target tokens"
+        )
         save_figure(fig, path)
     return True
 
@@ -1268,6 +1304,40 @@ def write_docs(block: str, docs: Path = DOCS) -> bool:
     return True
 
 
+def readme_row(rows: list[dict], setup: TranslationSetup) -> str:
+    """The README's results row, from the board: greedy test BLEU and test perplexity of the RNNs and the
+    Transformers (means of the seeds)."""
+    grouped = groups(rows)
+    keys = [
+        ("rnn", "none"),
+        ("rnn", "bahdanau"),
+        ("transformer", "mha"),
+        ("transformer", "gqa"),
+        ("transformer", "mqa"),
+    ]
+    shown = [k for k in keys if k in grouped]
+    bleu = ", ".join(f"{label(k)} {statistics.fmean(values(grouped, k)):.2f}" for k in shown)
+    ppl = ", ".join(f"{statistics.fmean(values(grouped, k, 'test_perplexity')):.0f}" for k in shown)
+    measured = (
+        f"English -> Spanish at {setup.budget / 1e3:g}k tokens a cell, 1.5M parameters, mean of the seeds: greedy "
+        f"test BLEU {bleu}; test perplexity {ppl}"
+    )
+    return f"{README_ROW} {measured} | [translation study](docs/translation.md#the-translation-study) |"
+
+
+def write_readme(row: str, readme: Path = README) -> bool:
+    """Replace the README's translation row (the line that starts with `README_ROW`); False where it has none."""
+    if not readme.is_file():
+        return False
+    lines = readme.read_text().split("\n")
+    found = [i for i, line in enumerate(lines) if line.startswith(README_ROW)]
+    for index in found:
+        lines[index] = row
+    if found:
+        readme.write_text("\n".join(lines))
+    return bool(found)
+
+
 def write_board(setup: TranslationSetup, rows: list[dict], log: Callable[[str], None] = print) -> None:
     """board.md (tables, claims) and the plots, from the rows so far; the docs' verdicts for the committed board."""
     folder = Path(setup.output_dir)
@@ -1277,6 +1347,7 @@ def write_board(setup: TranslationSetup, rows: list[dict], log: Callable[[str], 
     drawn = draw_figures(folder, board_figures({"defining": setup.defining(), "rows": rows}))
     if folder.resolve() == (STUDY / "results").resolve():
         write_docs(verdict_block(rows, setup))
+        write_readme(readme_row(rows, setup))
     log(table)
     log(f"written to {folder}: board.json, board.md, {', '.join(drawn)}")
 
