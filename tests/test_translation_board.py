@@ -181,7 +181,7 @@ def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
     found = verdicts(rows, uptrain_methods=[])
     by_start = {claim.split(" (")[0]: verdict for claim, verdict in found.items()}
     assert by_start["Attention beats the same RNN without it"].startswith(
-        "holds: RNN + Bahdanau 5.23 ± 0.25 [5.00-5.50]"
+        "holds: RNN + Bahdanau 5.23 ± 0.25 [5.00 to 5.50]"
     )
     assert (
         "; on test perplexity holds: RNN + Bahdanau 200.0 ± 0.0" in by_start["Attention beats the same RNN without it"]

@@ -776,7 +776,7 @@ def spread_text(numbers: list[float], digits: int = 2) -> str:
     """Mean ± standard deviation and the seeds' range."""
     if len(numbers) < 2:
         return figure(numbers, digits) + " (one run)"
-    return f"{figure(numbers, digits)} [{min(numbers):.{digits}f}-{max(numbers):.{digits}f}]"
+    return f"{figure(numbers, digits)} [{min(numbers):.{digits}f} to {max(numbers):.{digits}f}]"
 
 
 def show(grouped: dict, key: tuple[str, str], metric: str = "bleu", digits: int = 2) -> str:
