@@ -755,6 +755,14 @@ LABELS = {
 VERDICT = {1: "holds", -1: "does not hold at this scale", 0: "within noise"}
 
 
+# the RNNs in colours of their own, dark enough to read as text (the variants keep the house colours)
+RNN_COLOURS = {"none": "dimgray", "bahdanau": "#8b0000", "luong": "#006400"}
+
+
+def shade(key: tuple[str, str]) -> str:
+    return RNN_COLOURS.get(key[1], "black") if key[0] == "rnn" else colour(key[1])
+
+
 def label(key: tuple[str, str]) -> str:
     return LABELS.get(key, f"{key[1]} encoder-decoder" if key[0] == "encoder" else f"{key[0]} {key[1]}")
 
@@ -1140,11 +1148,11 @@ def plot_frontier(rows: list[dict], path: Path) -> bool:
         for key, cells in grouped.items():
             mean, spread = mean_spread([r["bleu"] for r in cells])
             x = cells[0]["cache_bytes_per_source_token"]
-            shade = colour(key[1] if key[0] != "rnn" else f"rnn-{key[1]}")
-            axis.errorbar([x], [mean], yerr=[spread], fmt="s" if key[0] == "rnn" else "o", color=shade)
+            tint = shade(key)
+            axis.errorbar([x], [mean], yerr=[spread], fmt="s" if key[0] == "rnn" else "o", color=tint)
             points.append((x, mean))
             names.append(label(key))
-            colours.append(shade)
+            colours.append(tint)
             spans.append((mean - spread, mean + spread))
         axis.margins(x=0.15, y=0.12)
         axis.set_xlabel("cross-attention cache (bytes per token of the source, float32)")
@@ -1174,7 +1182,7 @@ def plot_lengths(rows: list[dict], buckets: list[int], path: Path) -> bool:
                 [m for m, _ in means],
                 yerr=[s for _, s in means],
                 marker="o",
-                color=colour(key[1] if key[0] != "rnn" else f"rnn-{key[1]}"),
+                color=shade(key),
                 label=label(key),
             )
         axis.set_xticks(range(len(names)), [f"{n} tokens" for n in names])
