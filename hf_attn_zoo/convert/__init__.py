@@ -2,6 +2,15 @@
 
 from .latent import MLA_METHODS, to_mla
 from .llama import from_llama, to_llama, zoo_config_from_llama
-from .pooling import METHODS, mha_to_gqa
+from .pooling import METHODS, mha_to_gqa, seq2seq_mha_to_gqa
 
-__all__ = ["METHODS", "MLA_METHODS", "from_llama", "mha_to_gqa", "to_llama", "to_mla", "zoo_config_from_llama"]
+__all__ = [
+    "METHODS",
+    "MLA_METHODS",
+    "from_llama",
+    "mha_to_gqa",
+    "seq2seq_mha_to_gqa",
+    "to_llama",
+    "to_mla",
+    "zoo_config_from_llama",
+]
