@@ -211,14 +211,14 @@ def test_uptraining_claims_read_alpha_zero_against_the_uptrained_seeds():
         rows += synthetic("uptrain", f"{target}-aligned-0.05", [8.5, 9.5, 8.7], target=target, method="aligned")
     found = verdicts(rows, uptrain_methods=["mean", "aligned"], alphas=[0.0, 0.05])
     recovery = found[next(c for c in found if c.startswith("Uptraining on 0.05"))]
-    assert recovery.startswith("GQA: holds") and "77% of the 4.00 BLEU lost regained" in recovery
-    assert "MQA: holds" in recovery
+    assert recovery.startswith("GQA BLEU: holds") and "77% of the 4.00 lost regained" in recovery
+    assert "MQA BLEU: holds" in recovery and "perplexity" not in recovery  # no perplexities in these rows
     mean = found[next(c for c in found if c.startswith("Mean pooling converts best"))]
-    assert "GQA: holds (within noise)" in mean
+    assert "GQA alpha 0.05 BLEU: holds (within noise): mean 9.10 ± 0.10 [9.00 to 9.20] against aligned" in mean
     table = found[next(c for c in found if c.startswith("Uptrained GQA comes close"))]
-    assert table.startswith("holds (order of the means)") and "does not hold at this scale" in table
+    assert table.startswith("BLEU: holds (order of the means)") and table.endswith("against one parent): worse")
     scratch = found[next(c for c in found if c.startswith("Uptraining beats training"))]
-    assert scratch.startswith("GQA: holds")
+    assert scratch.startswith("GQA BLEU: holds")
 
 
 def test_docs_verdicts_are_rewritten_between_the_markers(tmp_path):

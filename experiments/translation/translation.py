@@ -871,63 +871,105 @@ def up(target: str, method: str, alpha: float) -> tuple[str, str]:
     return "uptrain", uptrain_config(target, method, alpha)
 
 
+METRIC_NAMES = {"bleu": "BLEU", "test_perplexity": "test perplexity"}
+
+
+def better(metric: str) -> int:
+    """The sign of `compare(a, b)` when a is the better: BLEU higher, perplexity lower."""
+    return 1 if metric == "bleu" else -1
+
+
+def digits_of(metric: str) -> int:
+    return 2 if metric == "bleu" else 1
+
+
+def mean_against_others(grouped: dict, setup: TranslationSetup, target: str, alpha: float, metric: str) -> str:
+    """Whether mean pooling is no worse than any other conversion beyond noise, at one alpha and metric."""
+    mean = up(target, "mean", alpha)
+    others = [up(target, m, alpha) for m in setup.uptrain_methods if m != "mean" and up(target, m, alpha) in grouped]
+    if mean not in grouped or not others or not values(grouped, mean, metric):
+        return ""
+    digits = digits_of(metric)
+    relations = {
+        o: better(metric) * compare(values(grouped, mean, metric), values(grouped, o, metric)) for o in others
+    }
+    verdict = "does not hold" if any(r < 0 for r in relations.values()) else "holds"
+    if all(r == 0 for r in relations.values()):
+        verdict += " (within noise)"
+    text = ", ".join(f"{o[1].split('-')[1]} {spread_text(values(grouped, o, metric), digits)}" for o in others)
+    return (
+        f"{target.upper()} alpha {alpha:g} {METRIC_NAMES[metric]}: {verdict}: mean "
+        f"{spread_text(values(grouped, mean, metric), digits)} against {text}"
+    )
+
+
+def recovery(grouped: dict, target: str, alpha: float, metric: str) -> str:
+    """The mean-pooled conversion before and after uptraining, against the parent, and the share regained."""
+    parent, before, after = ("parent", "mha"), up(target, "mean", 0.0), up(target, "mean", alpha)
+    if any(not values(grouped, k, metric) for k in (parent, before, after)):
+        return ""
+    digits, sign = digits_of(metric), better(metric)
+    relation = sign * compare(values(grouped, after, metric), values(grouped, before, metric))
+    mean = {k: statistics.fmean(values(grouped, k, metric)) for k in (parent, before, after)}
+    lost, regained = sign * (mean[parent] - mean[before]), sign * (mean[after] - mean[before])
+    share = f", {regained / lost:.0%} of the {lost:.{digits}f} lost regained" if lost > 0 else ""
+    return (
+        f"{target.upper()} {METRIC_NAMES[metric]}: {VERDICT[relation]}: alpha {alpha:g} "
+        f"{spread_text(values(grouped, after, metric), digits)} against alpha 0 "
+        f"{spread_text(values(grouped, before, metric), digits)}, parent "
+        f"{spread_text(values(grouped, parent, metric), digits)}{share}"
+    )
+
+
 def uptraining_claims(grouped: dict, setup: TranslationSetup) -> list[tuple[str, str]]:
     parent = ("parent", "mha")
     alpha = max(setup.alphas)
+    metrics = ("bleu", "test_perplexity")
     out = []
-    # Fig. 5: mean pooling against the other conversions, after uptraining
-    lines = []
-    for target in ("gqa", "mqa"):
-        mean = up(target, "mean", alpha)
-        others = [up(target, m, alpha) for m in setup.uptrain_methods if m != "mean"]
-        if mean not in grouped or not any(o in grouped for o in others):
-            continue
-        relations = {o: compare(values(grouped, mean), values(grouped, o)) for o in others if o in grouped}
-        verdict = "does not hold" if any(r < 0 for r in relations.values()) else "holds"
-        if all(r == 0 for r in relations.values()):
-            verdict += " (within noise)"
-        text = "; ".join(f"{o[1]} {spread_text(values(grouped, o))}" for o in relations)
-        lines.append(f"{target.upper()}: {verdict}: mean {spread_text(values(grouped, mean))} against {text}")
+    # Fig. 5: mean pooling against the other conversions, as converted and after uptraining
+    lines = [
+        mean_against_others(grouped, setup, target, a, metric)
+        for target in ("gqa", "mqa")
+        for a in sorted(setup.alphas)
+        for metric in metrics
+    ]
     out.append(
         (
-            f"Mean pooling converts best (Ainslie et al. 2023, Fig. 5: mean > first > random), here against the "
-            f"calibrated conversions, BLEU after uptraining on {alpha:g} of the parent's steps",
-            "; ".join(lines) or "not measured",
+            "Mean pooling converts best (Ainslie et al. 2023, Fig. 5: mean > first > random), here against the "
+            "calibrated conversions, as converted (alpha 0, one run each) and after uptraining",
+            "; ".join(line for line in lines if line) or "not measured",
         )
     )
     # Fig. 4: uptraining recovers what the conversion lost
-    lines = []
-    for target in ("gqa", "mqa"):
-        before, after = up(target, "mean", 0.0), up(target, "mean", alpha)
-        if before not in grouped or after not in grouped or parent not in grouped:
-            continue
-        relation = compare(values(grouped, after), values(grouped, before))
-        lost = statistics.fmean(values(grouped, parent)) - statistics.fmean(values(grouped, before))
-        regained = statistics.fmean(values(grouped, after)) - statistics.fmean(values(grouped, before))
-        share = f", {regained / lost:.0%} of the {lost:.2f} BLEU lost regained" if lost > 0 else ""
-        lines.append(
-            f"{target.upper()}: {VERDICT[relation]}: alpha {alpha:g} {spread_text(values(grouped, after))} against "
-            f"alpha 0 {spread_text(values(grouped, before))}, parent {spread_text(values(grouped, parent))}{share}"
-        )
+    lines = [recovery(grouped, target, alpha, metric) for target in ("gqa", "mqa") for metric in metrics]
     out.append(
         (
             f"Uptraining on {alpha:g} of the parent's steps recovers the quality the mean-pooled conversion lost "
             "(Fig. 4: MQA/GQA at alpha 0 well below, most of it back by 0.05)",
-            "; ".join(lines) or "not measured",
+            "; ".join(line for line in lines if line) or "not measured",
         )
     )
     # Table 1: uptrained GQA close to the MHA parent, MQA further
     gqa, mqa = up("gqa", "mean", alpha), up("mqa", "mean", alpha)
     absent = missing(grouped, parent, gqa, mqa)
     if absent is None:
-        means = [statistics.fmean(values(grouped, k)) for k in (parent, gqa, mqa)]
-        order = "holds" if means[0] >= means[1] >= means[2] else "does not hold at this scale"
-        absent = (
-            f"{order} (order of the means): parent {spread_text(values(grouped, parent))}, GQA-"
-            f"{setup.gqa_key_value_heads} uptrained {spread_text(values(grouped, gqa))}, MQA uptrained "
-            f"{spread_text(values(grouped, mqa))}; GQA against the parent beyond noise: "
-            f"{VERDICT[compare(values(grouped, gqa), values(grouped, parent))]}"
-        )
+        parts = []
+        for metric in metrics:
+            if any(not values(grouped, k, metric) for k in (parent, gqa, mqa)):
+                continue
+            digits, sign = digits_of(metric), better(metric)
+            means = [sign * statistics.fmean(values(grouped, k, metric)) for k in (parent, gqa, mqa)]
+            order = "holds" if means[0] >= means[1] >= means[2] else "does not hold at this scale"
+            relation = sign * compare(values(grouped, gqa, metric), values(grouped, parent, metric))
+            where = {-1: "worse", 0: "within noise", 1: "better"}[relation]
+            parts.append(
+                f"{METRIC_NAMES[metric]}: {order} (order of the means): parent "
+                f"{spread_text(values(grouped, parent, metric), digits)}, GQA-{setup.gqa_key_value_heads} uptrained "
+                f"{spread_text(values(grouped, gqa, metric), digits)}, MQA uptrained "
+                f"{spread_text(values(grouped, mqa, metric), digits)}; uptrained GQA against the parent (the "
+                f"uptraining seeds' range against one parent): {where}"
+            )
+        absent = "; ".join(parts)
     out.append(
         (
             "Uptrained GQA comes close to the MHA parent and MQA falls further (Table 1, T5-XXL: MHA 47.2, GQA-8 "
@@ -938,12 +980,15 @@ def uptraining_claims(grouped: dict, setup: TranslationSetup) -> list[tuple[str,
     lines = []
     for target in ("gqa", "mqa"):
         scratch, uptrained = ("transformer", target), up(target, "mean", alpha)
-        if scratch in grouped and uptrained in grouped:
-            lines.append(
-                f"{target.upper()}: {VERDICT[compare(values(grouped, uptrained), values(grouped, scratch))]}: "
-                f"uptrained {spread_text(values(grouped, uptrained))} against from scratch "
-                f"{spread_text(values(grouped, scratch))}"
-            )
+        for metric in metrics:
+            if values(grouped, scratch, metric) and values(grouped, uptrained, metric):
+                digits, sign = digits_of(metric), better(metric)
+                relation = sign * compare(values(grouped, uptrained, metric), values(grouped, scratch, metric))
+                lines.append(
+                    f"{target.upper()} {METRIC_NAMES[metric]}: {VERDICT[relation]}: uptrained "
+                    f"{spread_text(values(grouped, uptrained, metric), digits)} against from scratch "
+                    f"{spread_text(values(grouped, scratch, metric), digits)}"
+                )
     out.append(
         (
             f"Uptraining beats training GQA/MQA from scratch (the paper's motivation; compute here: parent "
@@ -1064,7 +1109,7 @@ def board_table(rows: list[dict], setup: TranslationSetup) -> str:
         if key[0] == "uptrain":
             continue
         head = cells[0]
-        width = head.get("rnn_hidden_size", head.get("intermediate_size"))
+        width = head.get("rnn_hidden_size", head.get("intermediate_size")) or "as MHA's"
         lines.append(
             f"| {label(key)} | {len(cells)} | {head['parameters']:,} | {width} | {figure(values(grouped, key))} | "
             f"{figure(values(grouped, key, 'chrf'))} | {figure(values(grouped, key, 'bleu_beam'))} | "
