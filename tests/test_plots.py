@@ -11,6 +11,7 @@ from experiments.common import main as run_benchmark
 from experiments.mla import latent
 from experiments.quality import quality
 from experiments.speed import decode, scaling
+from experiments.translation import translation
 from experiments.uptraining import uptraining
 from hf_attn_zoo.evaluation import attention_maps, plot_attention, plotting
 
@@ -31,6 +32,7 @@ UNITS = (
     "per token",
     "fraction",
     "probability",
+    "BLEU",
 )
 
 
@@ -43,7 +45,7 @@ def drawn(monkeypatch):
         plotting.save_figure(figure, path, dpi)
         figures.append(figure)
 
-    for module in (quality, scaling, decode, uptraining, latent, attention_maps):
+    for module in (quality, scaling, decode, uptraining, latent, attention_maps, translation):
         monkeypatch.setattr(module, "save_figure", keep)
     return figures
 
@@ -142,6 +144,65 @@ def test_quality_figures_label_every_point_apart(drawn, tmp_path):
     frontier = drawn[0]
     named = {t.get_text() for t in frontier.axes[0].texts}
     assert {"gqa", "mla", "topk", "gqa (alibi)", "single_head", "additive"} <= named
+    for figure in drawn:
+        assert_readable(figure)
+
+
+def translation_board() -> list[dict]:
+    """Translation-board rows where five models share a cache size and nearly a BLEU, with every uptraining method,
+    and alignment maps of a short and a long (length-limited) translation."""
+    caches = {("rnn", "none"): 0.0, ("rnn", "bahdanau"): 2232.0, ("rnn", "luong"): 1480.0}
+    caches |= {("transformer", "gqa"): 1024.0, ("transformer", "mqa"): 512.0, ("encoder", "aft_simple"): 1024.0}
+    configs = [*caches, ("transformer", "mha"), ("transformer", "additive")]
+    configs += [("encoder", v) for v in ("sliding_window", "linformer", "topk")]
+    source = ["When", " he", " had", " destroyed", " seven", " nations", " in", " the", " land", "."]
+    maps = [
+        {"source": source, "target": ["Y", " cuando"] * 5, "weights": [[0.1] * 10] * 10},
+        {"source": source, "target": [" de"] * 64, "weights": [[0.1] * 10] * 64},
+    ]
+    rows = []
+    for index, (family, config) in enumerate(configs):
+        for seed in range(3):
+            rows.append(
+                {
+                    "cell": f"{family}-{config}-seed{seed}",
+                    "family": family,
+                    "config": config,
+                    "seed": seed,
+                    "bleu": 1.0 + 0.05 * index + 0.1 * seed,
+                    "cache_bytes_per_source_token": caches.get((family, config), 2048.0),
+                    "bleu_by_length": {b: {"pairs": 50, "bleu": 1.0 + seed} for b in ("1-16", "17-24", "25-64")},
+                    **({"alignment": maps} if seed == 0 and config in ("bahdanau", "mha") else {}),
+                }
+            )
+    rows.append({"cell": "parent-mha-seed0", "family": "parent", "config": "mha", "seed": 0, "bleu": 3.0})
+    for target in ("gqa", "mqa"):
+        for method in ("mean", "aligned", "grouped", "grouped_aligned"):
+            for alpha, seeds in ((0.0, [0]), (0.05, [0, 1, 2])):
+                for seed in seeds:
+                    config = f"{target}-{method}-{alpha:g}"
+                    rows.append(
+                        {
+                            "cell": f"uptrain-{config}-seed{seed}",
+                            "family": "uptrain",
+                            "config": config,
+                            "seed": seed,
+                            "target": target,
+                            "method": method,
+                            "alpha": alpha,
+                            "bleu": 0.5 + 40 * alpha + 0.1 * seed,
+                        }
+                    )
+    return rows
+
+
+def test_translation_figures_label_every_point_apart(drawn, tmp_path):
+    board = {"defining": {"buckets": [16, 24, 64]}, "rows": translation_board()}
+    for name, draw in translation.board_figures(board).items():
+        assert draw(tmp_path / name), name
+    assert len(drawn) == 4
+    named = {t.get_text() for t in drawn[0].axes[0].texts}
+    assert {"Transformer MHA", "sliding_window encoder-decoder", "RNN, no attention"} <= named
     for figure in drawn:
         assert_readable(figure)
 

@@ -2,7 +2,7 @@
 
 from .latent import MLA_METHODS, to_mla
 from .llama import from_llama, from_mistral, to_llama, to_native, zoo_config_from_llama
-from .pooling import METHODS, mha_to_gqa
+from .pooling import METHODS, mha_to_gqa, seq2seq_mha_to_gqa
 
 __all__ = [
     "METHODS",
@@ -10,6 +10,7 @@ __all__ = [
     "from_llama",
     "from_mistral",
     "mha_to_gqa",
+    "seq2seq_mha_to_gqa",
     "to_llama",
     "to_mla",
     "to_native",

@@ -107,6 +107,50 @@ def key_value_activations(model, batches: Sequence[torch.LongTensor]) -> list[tu
     ]
 
 
+@torch.no_grad()
+def seq2seq_key_value_activations(
+    model, pairs: Sequence[tuple[torch.LongTensor, torch.LongTensor]]
+) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per decoder attention module of an encoder-decoder (`self_attn`, `encoder_attn`), per layer: the keys
+    `(N, G0, d_qk)` (before RoPE) and values `(N, G0, d_v)` it computes on the calibration `pairs` (`(1, S)` source
+    and `(1, T)` target ids, teacher-forced: the target shifted right is the decoder's input). The cross-attention's
+    come from the encoder's outputs, one row per source token."""
+    caught: dict[tuple[str, int, str], list[torch.Tensor]] = {}
+    handles: list[RemovableHandle] = []
+    layers = model.model.decoder.layers
+    training = model.training
+    try:
+        for index, layer in enumerate(layers):
+            for module in ("self_attn", "encoder_attn"):
+                for name in ("k_proj", "v_proj"):
+
+                    def keep(_, inputs, output, key=(module, index, name)):
+                        caught.setdefault(key, []).append(output.reshape(-1, output.shape[-1]))  # (B T, G0 d)
+
+                    handles.append(getattr(getattr(layer, module), name).register_forward_hook(keep))
+        model.eval()
+        for source, target in pairs:
+            model(input_ids=source.to(model.device), labels=target.to(model.device), use_cache=False)
+    finally:
+        model.train(training)
+        for handle in handles:
+            handle.remove()
+    heads = {
+        "self_attn": model.config.num_key_value_heads,
+        "encoder_attn": model.config.cross_attention_num_key_value_heads,
+    }
+    return {
+        module: [
+            tuple(
+                torch.cat(caught[(module, index, name)]).unflatten(-1, (heads[module], -1)).double()  # (N, G0, d)
+                for name in ("k_proj", "v_proj")
+            )
+            for index in range(len(layers))
+        ]
+        for module in heads
+    }
+
+
 def check_enough(tokens: int, head_dim: int) -> None:
     needed = CALIBRATION_TOKENS_PER_CHANNEL * head_dim
     if tokens < needed:
@@ -282,4 +326,5 @@ __all__ = [
     "calibration_batches",
     "key_value_activations",
     "rewrite_for_pooling",
+    "seq2seq_key_value_activations",
 ]

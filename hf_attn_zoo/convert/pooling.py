@@ -103,3 +103,105 @@ def rewrite_heads(model: ZooForCausalLM, state: dict, groups: int, method: str, 
         attention = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
         for name, tensor in rewrite.apply(attention).items():
             state[prefix + name] = tensor
+
+
+# the attention modules of an encoder-decoder's decoder layer that Ainslie et al. 2023 pool (the encoder keeps its
+# heads): module name -> the config field counting its key/value heads
+SEQ2SEQ_POOLED = {"self_attn": "num_key_value_heads", "encoder_attn": "cross_attention_num_key_value_heads"}
+
+
+def seq2seq_mha_to_gqa(model, num_key_value_heads: int, method: str = "mean", calibration=None):
+    """A new zoo encoder-decoder whose decoder self-attention and cross-attention have `num_key_value_heads` (G)
+    key/value heads pooled from `model`'s (a zoo MHA-family encoder-decoder with dot-product cross-attention), the
+    encoder's self-attention keeping its heads, as Ainslie et al. 2023 uptrain T5. G equal to the query heads gives
+    `zoo_mha` (a copy), anything else `zoo_gqa` with `encoder_num_key_value_heads` keeping the encoder's count (G = 1
+    is multi-query there: `zoo_mqa` fixes the encoder's heads to one as well). `method`: "mean", "first", "random"
+    as `mha_to_gqa`, or a calibrated method (`CALIBRATION_METHODS`), which reads `calibration`: `(source ids,
+    target ids)` pairs of `(1, S)` / `(1, T)` tensors, teacher-forced through the model."""
+    from ..models import SEQ2SEQ
+
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: use one of {METHODS}.")
+    if method not in CALIBRATION_METHODS and calibration is not None:
+        raise ValueError(f"calibration is read by the calibrated methods {CALIBRATION_METHODS}, not {method!r}.")
+    config = model.config
+    if not getattr(config, "is_encoder_decoder", False) or not in_mha_family(config.model_type):
+        raise ValueError(
+            f"{config.model_type} is not an encoder-decoder of the MHA family (mha, gqa, mqa): use mha_to_gqa for a "
+            "decoder-only model."
+        )
+    if config.cross_attention != "dot":
+        raise ValueError(f"cross_attention={config.cross_attention!r} has no key/value heads to pool: use 'dot'.")
+    heads, groups = config.num_attention_heads, num_key_value_heads
+    for field_name in SEQ2SEQ_POOLED.values():
+        old = getattr(config, field_name)
+        if not isinstance(groups, int) or groups < 1 or old % groups != 0:
+            divisors = [g for g in range(1, old + 1) if old % g == 0]
+            raise ValueError(
+                f"num_key_value_heads={groups!r} must divide the model's {old} {field_name} (each new head pools a "
+                f"contiguous group of them): choose one of {divisors}."
+            )
+    encoder_heads = config.encoder_num_key_value_heads or config.num_key_value_heads
+    target = "mha" if groups == heads and encoder_heads == heads else "gqa"
+    fields = {
+        key: value
+        for key, value in config.to_dict().items()
+        if key in SEQ2SEQ[target].config_class.__dataclass_fields__
+        and key
+        not in ("architectures", "model_type", "auto_map", "encoder_num_key_value_heads", *SEQ2SEQ_POOLED.values())
+    }
+    pooled = SEQ2SEQ[target].build(
+        None,
+        **fields,
+        num_key_value_heads=groups,
+        cross_attention_num_key_value_heads=groups,
+        encoder_num_key_value_heads=encoder_heads,
+    )
+    pooled.config._attn_implementation = config._attn_implementation
+    pooled.generation_config = model.generation_config
+    state = model.state_dict()
+    if method in CALIBRATION_METHODS:
+        rewrite_seq2seq_heads(model, state, groups, method, calibration)
+    fresh = pooled.state_dict() if method == "random" else {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        # model.decoder.layers.<i>.<module>.<k_proj|v_proj>.<weight|bias>
+        if parts[:3] != ["model", "decoder", "layers"] or parts[4] not in SEQ2SEQ_POOLED:
+            continue
+        old = getattr(config, SEQ2SEQ_POOLED[parts[4]])
+        if parts[5] in ("k_proj", "v_proj") and groups != old:
+            if method == "random":
+                state[name] = fresh[name]
+            else:
+                state[name] = pool_heads(tensor, old, groups, "first" if method == "first" else "mean")
+    pooled.load_state_dict(state, strict=True)
+    return pooled.to(model.dtype).train(model.training)
+
+
+def rewrite_seq2seq_heads(model, state: dict, groups: int, method: str, calibration) -> None:
+    """Rewrite `state`'s decoder self- and cross-attention projections in place as `method` chooses from the keys
+    and values they compute on the calibration pairs (`calibrated.py`): self-attention keys are fitted by the
+    rotations that commute with the model's positions, cross-attention keys (which read no positions) by any
+    orthogonal map."""
+    from types import SimpleNamespace
+
+    from .calibrated import seq2seq_key_value_activations
+
+    if calibration is None:
+        raise ValueError("calibration=None: calibrated methods need (source ids, target ids) pairs.")
+    activations = seq2seq_key_value_activations(model, calibration)
+    config = model.config
+    for module, field_name in SEQ2SEQ_POOLED.items():
+        layers = activations[module]
+        check_enough(layers[0][0].shape[0], layers[0][0].shape[-1])
+        positions = config.position_embedding_type if module == "self_attn" else "none"
+        view = SimpleNamespace(
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=getattr(config, field_name),
+            position_embedding_type=positions,
+        )
+        for index, rewrite in enumerate(rewrite_for_pooling(layers, view, groups, method)):
+            prefix = f"model.decoder.layers.{index}.{module}."
+            attention = {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+            for name, tensor in rewrite.apply(attention).items():
+                state[prefix + name] = tensor

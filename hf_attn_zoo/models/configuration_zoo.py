@@ -124,6 +124,10 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             `num_attention_heads`.
         cross_attention_additive_dim (`int`, *optional*): width of the additive cross-attention's tanh layer; default
             `head_dim`.
+        encoder_num_key_value_heads (`int`, *optional*): key/value heads of the encoder's self-attention, where they
+            differ from the decoder's `num_key_value_heads`; default the same. Ainslie et al. 2023 uptrain T5 to
+            GQA in the decoder's self- and cross-attention and keep the encoder multi-head: `num_key_value_heads=G`,
+            `cross_attention_num_key_value_heads=G`, `encoder_num_key_value_heads=H`.
     """
 
     model_type = "zoo"
@@ -178,6 +182,7 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
     cross_attention: str = "dot"
     cross_attention_num_key_value_heads: int | None = None
     cross_attention_additive_dim: int | None = None
+    encoder_num_key_value_heads: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and _is_positive_int(self.hidden_size):
@@ -302,6 +307,14 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
                 f"cross_attention_num_key_value_heads={heads!r} must divide num_attention_heads="
                 f"{self.num_attention_heads} (query head h reads cross-attention key/value head h // (H / G)); use "
                 f"one of {divisors}."
+            )
+        encoder_heads = self.encoder_num_key_value_heads
+        if encoder_heads is not None and (
+            not _is_positive_int(encoder_heads) or self.num_attention_heads % encoder_heads != 0
+        ):
+            raise ValueError(
+                f"encoder_num_key_value_heads={encoder_heads!r} must divide num_attention_heads="
+                f"{self.num_attention_heads} (or be unset: the decoder's num_key_value_heads)."
             )
         if not _is_positive_int(self.cross_attention_additive_dim):
             raise ValueError(

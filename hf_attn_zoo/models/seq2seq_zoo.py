@@ -25,6 +25,7 @@ Like the backbone it travels next to every saved checkpoint (remote code), so it
 its flat siblings.
 """
 
+import copy
 import inspect
 from typing import ClassVar
 
@@ -89,6 +90,20 @@ class ZooSeq2SeqPreTrainedModel(ZooPreTrainedModel):
         }
 
 
+def encoder_config(config: ZooConfig) -> ZooConfig:
+    """The config the encoder is built from: `config` itself, or, where `encoder_num_key_value_heads` differs from the
+    decoder's `num_key_value_heads`, a shallow copy with the encoder's count (one config class serves both stacks,
+    and the attention modules read their head counts from the config they are built with). The copy is validated
+    by the encoder as any config: a variant fixed to one count (`zoo_mqa`, `zoo_mha`) refuses another, so a decoder
+    of one key/value head over a multi-head encoder is `zoo_gqa` with `num_key_value_heads=1`."""
+    heads = config.encoder_num_key_value_heads
+    if heads is None or heads == config.num_key_value_heads:
+        return config
+    copied = copy.copy(config)
+    copied.num_key_value_heads = heads
+    return copied
+
+
 class ZooEncoderDecoderModel(SharedEmbeddingModel, ZooSeq2SeqPreTrainedModel):
     """The variant's encoder and decoder over one shared embedding, returning the decoder's last hidden states."""
 
@@ -100,7 +115,7 @@ class ZooEncoderDecoderModel(SharedEmbeddingModel, ZooSeq2SeqPreTrainedModel):
 
     def __init__(self, config: ZooConfig) -> None:
         super().__init__(config)
-        self.encoder = self.base_model_class(config, role="encoder")
+        self.encoder = self.base_model_class(encoder_config(config), role="encoder")
         self.decoder = self.base_model_class(config, role="decoder")
         self.shared = self.encoder.embed_tokens  # the encoder's embedding, scaled or not by the backbone's rule
         self.decoder.embed_tokens = self.shared
