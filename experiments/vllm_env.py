@@ -20,6 +20,7 @@ what runs in vLLM's process is exactly what a user's vLLM runs. `experiments/vll
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,5 +95,8 @@ def run_vllm(request: dict, work_dir: Path, timeout: float = 900) -> dict:
             timeout=timeout,
         )
     if result.returncode != 0 or not answer_path.exists():
-        raise RuntimeError(f"vLLM failed (exit status {result.returncode}):\n{log_path.read_text()[-6000:]}")
+        log_text = log_path.read_text()
+        # vLLM's engine logs the exception that stopped it, then pages of shutdown: name the exceptions first
+        errors = dict.fromkeys(re.findall(r"\b(\w+(?:Error|Exception): .*)", log_text))
+        raise RuntimeError(f"vLLM failed (exit status {result.returncode}): {' | '.join(errors)}\n{log_text[-3000:]}")
     return json.loads(answer_path.read_text())
