@@ -8,6 +8,9 @@
     hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap (a
                                           translator: its cross-attention over the source, per head)
     hf-attn-zoo convert SRC OUT --to gqa|mqa [--num_key_value_heads G] [--method mean]   pool key/value heads
+    hf-attn-zoo export CKPT --to native|llama|qwen2|mistral|deepseek_v3|gguf OUT [--dtype q8_0]   the native
+                                          transformers model (no remote code) or a GGUF file for llama.cpp
+    hf-attn-zoo import CKPT OUT           a Llama, Mistral, Qwen2 or dense DeepSeek checkpoint as its zoo variant
     hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
     hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
@@ -198,6 +201,29 @@ class ConvertOptions:
 
 
 @dataclass
+class ExportOptions:
+    checkpoint: str = positional("zoo checkpoint folder (as training, convert or save_pretrained wrote it)")
+    out: Path = positional("output folder: new or empty (native: model, tokenizer, card; gguf: OUT/OUT.gguf)")
+    to: Literal["native", "llama", "qwen2", "mistral", "deepseek_v3", "gguf"] = field(
+        default="native",
+        metadata={
+            "help": "native: the variant's own architecture (MHA family: llama, sliding window: mistral, mla: "
+            "deepseek_v3); gguf: one file for llama.cpp / ollama with the tokenizer inside"
+        },
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "gguf: f32, f16 (default) or q8_0; native: float32, float16 or bfloat16 (default: saved)"},
+    )
+
+
+@dataclass
+class ImportOptions:
+    checkpoint: str = positional("Llama, Mistral, Qwen2 or dense DeepSeek-V2/V3 checkpoint folder")
+    out: Path = positional("output folder for the zoo checkpoint: new or empty")
+
+
+@dataclass
 class PushOptions:
     checkpoint: Path = positional("folder written by save_pretrained, training or convert")
     repo: str = positional("model repo id, NAMESPACE/NAME (created if missing)")
@@ -275,6 +301,16 @@ COMMANDS = {
         "pool the key/value heads of an MHA-family checkpoint (zoo, Llama, Mistral, Qwen2 or GGUF) into G",
         "hf_attn_zoo.cli:convert_command",
         ConvertOptions,
+    ),
+    "export": Command(
+        "write a zoo checkpoint as the native transformers model computing it, or as a GGUF file for llama.cpp",
+        "hf_attn_zoo.cli:export_command",
+        ExportOptions,
+    ),
+    "import": Command(
+        "read a Llama, Mistral, Qwen2 or dense DeepSeek checkpoint into the zoo variant computing it",
+        "hf_attn_zoo.cli:import_command",
+        ImportOptions,
     ),
     "push": Command(
         "upload a saved checkpoint folder (model, tokenizer, model card) to a Hugging Face Hub model repo",

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
         AttentionOptions,
         ConvertOptions,
         EvalOptions,
+        ExportOptions,
+        ImportOptions,
         LmEvalTaskOptions,
         PushOptions,
         ServeOptions,
@@ -265,6 +267,25 @@ def convert_command(options: ConvertOptions) -> Path:
     what = "a latent attention" if latent else f"{groups} key/value heads"
     print(f"{converted.config.model_type} with {what} ({method}, {seconds:.1f} s) written to {out}")
     return out
+
+
+# export, import
+
+
+def export_command(options: ExportOptions) -> Path:
+    from .export import export_checkpoint
+
+    written = export_checkpoint(options.checkpoint, options.to, options.out, dtype=options.dtype)
+    print(f"{options.checkpoint} exported --to {options.to}: {written}")
+    return written
+
+
+def import_command(options: ImportOptions) -> Path:
+    from .export import import_checkpoint
+
+    written = import_checkpoint(options.checkpoint, options.out)
+    print(f"{options.checkpoint} imported as a zoo checkpoint: {written}")
+    return written
 
 
 # push

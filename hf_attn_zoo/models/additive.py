@@ -51,6 +51,8 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
     """Queries and keys projected to `additive_dim` per head; `score_vector` (H, additive_dim) reads the tanh out."""
 
     family = "additive"
+    native_format = None  # no transformers architecture computes it
+    gguf_architecture = None
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
     mask_type = "blockwise"

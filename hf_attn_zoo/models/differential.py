@@ -79,6 +79,8 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
     as its value."""
 
     family = "differential"
+    native_format = None  # no transformers architecture computes it
+    gguf_architecture = None
     backends = ("eager", "sdpa")
     compiles_fullgraph = False  # not run compiled in this project
     attention_weights_sum_to_one = False  # rows of A1 - λ·A2 sum to 1 - λ

@@ -138,6 +138,11 @@ class ZooAttention(ZooModule):
     # which of a query's visible scores reach the softmax when not all of them (a phrase), else None
     keeps_scores: ClassVar[str | None] = None
     lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # Where the math exists outside the zoo (`hf-attn-zoo export`): the model_type of the native transformers
+    # architecture computing the same function, and llama.cpp's GGUF architecture; None where there is none. A
+    # subclass states its own: each variant computes another function than its parent class.
+    native_format: ClassVar[str | None] = None
+    gguf_architecture: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -114,6 +114,8 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
     """GQA projections (and RoPE); keys and values compressed into `linformer_k` slots."""
 
     family = "linformer"
+    native_format = None  # no transformers architecture computes it
+    gguf_architecture = None
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
     cache_layer = ZooStateLayer  # the compressed keys and values (K̄, V̄): nothing grows with the length

@@ -46,6 +46,8 @@ class ZooMultiHeadAttention(ZooAttention):
     """
 
     family = "mha"
+    native_format = "llama"  # Qwen2 too where the output projection has no bias
+    gguf_architecture = "llama"
     backends = BACKENDS
     compiles_fullgraph = True  # key/value caches written in place and masks of fixed shape
     sized_by: ClassVar[dict[str, str]] = {

@@ -53,6 +53,8 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
     """GQA projections and cache; the mask (or the banded kernel) limits each query to the last w keys."""
 
     family = "sliding_window"
+    native_format = "mistral"  # the same mask builder over the same `sliding_window`
+    gguf_architecture = None  # llama.cpp's `llama` ignores the window (hf_attn_zoo.convert.gguf_writer)
     dense_mask_function = staticmethod(create_sliding_window_causal_mask)
 
     @classmethod

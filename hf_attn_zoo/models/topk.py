@@ -45,6 +45,8 @@ class ZooTopKAttention(ZooMultiHeadAttention):
     """GQA projections and cache; the kernel keeps the `topk` best scores of each query."""
 
     family = "topk"
+    native_format = None  # no transformers architecture computes it
+    gguf_architecture = None
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
     mask_type = "blockwise"
