@@ -52,9 +52,15 @@ MAX_TOKENS = 24
 STARTUP_SECONDS = 600
 
 
+# vLLM's CPU kernel for DeepSeek's latent attention compiles for DeepSeek's widths only: a latent of 512 and a RoPE key
+# of 64 (576 cached per token); two heads of 64 leave room for that RoPE part
+VLLM_WIDTHS = {"mla": dict(num_attention_heads=2, kv_lora_rank=512, qk_rope_head_dim=64)}
+
+
 def vllm_sized_config(name: str, **overrides):
     """conftest's tiny config of `name` at 128 wide, heads of 32 (vLLM's CPU attention's smallest), 256 positions."""
-    return tiny_config(name, hidden_size=128, intermediate_size=256, max_position_embeddings=256, **overrides)
+    sizes = dict(hidden_size=128, intermediate_size=256, max_position_embeddings=256, **VLLM_WIDTHS.get(name, {}))
+    return tiny_config(name, **(sizes | overrides))
 
 
 def save_checkpoint(name: str, folder: Path) -> Path:
@@ -287,9 +293,22 @@ def test_openai_server_answers_a_chat_as_generate_does(tmp_path, vllm_ready):
 
 # --- exported native checkpoints on vLLM's own classes (slow) ---------------------------------------------------
 
+# vLLM 0.32's DeepseekV3ForCausalLM (CPU) answers the export of `mla` with other tokens, where transformers' own
+# DeepseekV3 gives exactly the zoo's. Found: vLLM rotates DeepSeek's RoPE part interleaved whatever `rope_interleave`
+# says (the export writes False: the halves layout) and its DeepSeek classes leave a tied lm_head unloaded (the export
+# ties it); with the RoPE rows permuted, rope_interleave=True and lm_head written out, the first two tokens agree and
+# the rest still differ, with vLLM's MLA kernel and without it (VLLM_MLA_DISABLE=1).
+DEEPSEEK_IN_VLLM = (
+    "vLLM 0.32's DeepseekV3ForCausalLM gives other tokens than the DeepSeek-V3 export, which transformers reads "
+    "exactly (tests/test_vllm.py: DEEPSEEK_IN_VLLM)"
+)
 # the variants a native architecture computes (`hf-attn-zoo export --to native`: the MHA family as Llama, sliding
-# window as Mistral, MLA as DeepSeek's latent attention)
-NATIVE = ["mha", "gqa", "mqa", "single_head", "sliding_window", "mla"]
+# window as Mistral, MLA as DeepSeek-V3's latent attention)
+EXPORTABLE = ["mha", "gqa", "mqa", "single_head", "sliding_window", "mla"]
+NATIVE = [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=DEEPSEEK_IN_VLLM)) if name == "mla" else name
+    for name in EXPORTABLE
+]
 
 
 def export_checkpoint(folder: Path, to: str, output_dir: Path) -> Path:
@@ -317,7 +336,7 @@ def test_exported_checkpoint_runs_on_vllms_own_class(name, tmp_path, vllm_ready,
     works_with("vllm-native", name)
 
 
-@pytest.mark.parametrize("name", [name for name in NAMES if name not in NATIVE])
+@pytest.mark.parametrize("name", [name for name in NAMES if name not in EXPORTABLE])
 def test_a_variant_without_a_native_architecture_is_refused_by_export(name, tmp_path, works_with):
     """A variant no native architecture computes cannot reach vLLM's own classes: the export refuses it, naming what
     it lacks, and writes nothing."""
@@ -328,7 +347,13 @@ def test_a_variant_without_a_native_architecture_is_refused_by_export(name, tmp_
     with pytest.raises(ValueError) as refusal:
         export_checkpoint(folder, "native", output_dir)
     assert not output_dir.exists() or not any(output_dir.iterdir())
-    works_with("vllm-native", name, refused=str(refusal.value).splitlines()[0])
+    from hf_attn_zoo.export import INSTEAD
+
+    message = str(refusal.value)
+    assert message.startswith(f"zoo_{name} has no native transformers architecture")
+    assert message.endswith(f"; {INSTEAD}.")
+    # the table adds what to do instead (`clients_zoo.INSTEAD["vllm-native"]`)
+    works_with("vllm-native", name, refused=message.removesuffix(f"; {INSTEAD}."))
 
 
 def test_vllm_environment_lives_outside_the_checkout():
