@@ -34,16 +34,26 @@ if TYPE_CHECKING:
 # list
 
 
+def deploy_targets(variant) -> str:
+    """Where `hf-attn-zoo export` takes a variant, from its attention class's facts: the native transformers
+    architecture computing it and llama.cpp's GGUF, else the zoo's own server."""
+    attention = variant.attention_class
+    targets = [f"`{attention.native_format}`"] if attention.native_format else []
+    if attention.gguf_architecture:
+        targets.append("GGUF")
+    return f"export: {', '.join(targets)}" if targets else "`hf-attn-zoo serve`"
+
+
 def variant_table() -> str:
     """The registered variants as a markdown table."""
     lines = [
-        "| variant | model_type | attention | KV cache per token | backends | positions |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| variant | model_type | attention | KV cache per token | backends | positions | deploy |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, variant in VARIANTS.items():
         lines.append(
             f"| `{name}` | `{variant.model_type}` | {variant.description} | {variant.cache_per_token} "
-            f"| {', '.join(variant.backends)} | {', '.join(variant.position_types)} |"
+            f"| {', '.join(variant.backends)} | {', '.join(variant.position_types)} | {deploy_targets(variant)} |"
         )
     return "\n".join(lines)
 

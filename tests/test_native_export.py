@@ -136,16 +136,26 @@ def test_qwen2_refuses_an_output_bias_and_mistral_the_mha_family(tokenizer, tmp_
     assert export_checkpoint(biased, "llama", tmp_path / "llama").is_dir()  # Llama holds every bias
 
 
-def test_a_converted_mla_is_refused_by_deepseek_naming_the_latent_norm(tokenizer, tmp_path):
-    """`convert --to mla` writes a latent without a norm; DeepSeek always normalises it."""
+@pytest.mark.parametrize("rope", [None, 4])
+def test_a_converted_mla_exports_to_deepseek_exactly(rope, tokenizer, tmp_path):
+    """`convert --to mla` writes a latent without a norm and RoPE frequencies chosen per layer (all of them, or 2 of
+    the 4 per head); DeepSeek-V3 computes the same function through a constant latent channel and the whole ladder.
+    llama.cpp's deepseek2 has no bias for that channel: its GGUF is refused, naming the latent norm."""
     torch.manual_seed(0)
-    parent = VARIANTS["gqa"].causal_lm_class(tiny_config("gqa", vocab_size=len(tokenizer))).eval()
-    converted = to_mla(parent, kv_lora_rank=8)
+    config = tiny_config("gqa", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    parent = VARIANTS["gqa"].causal_lm_class(config).eval()
+    converted = to_mla(parent, kv_lora_rank=8, qk_rope_head_dim=rope).eval()
+    assert not converted.config.latent_norm and converted.config.rope_frequencies is not None
     checkpoint = save_checkpoint(tmp_path / "mla", converted, tokenizer=tokenizer)
+    out = export_checkpoint(checkpoint, "native", tmp_path / "deepseek")
+    native = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert native.config.model_type == "deepseek_v3"
+    assert_same_function(converted, native)
+    back = import_checkpoint(out, tmp_path / "back")
+    assert_same_function(converted, AutoModelForCausalLM.from_pretrained(back).eval())
     with pytest.raises(UserError, match="latent_norm=False") as refused:
-        export_checkpoint(checkpoint, "native", tmp_path / "out")
-    assert "\n" not in str(refused.value)
-    assert not (tmp_path / "out").exists()
+        export_checkpoint(checkpoint, "gguf", tmp_path / "gguf")
+    assert "\n" not in str(refused.value) and not (tmp_path / "gguf").exists()
 
 
 def test_deepseek_with_interleaved_rope_imports_exactly():

@@ -33,9 +33,18 @@ CLIENTS = {
     "export": "`torch.export`, dynamic batch × length",
     "onnx": "ONNX in onnxruntime",
     "kvpress": "kvpress presses",
+    "native": "native transformers export (`hf-attn-zoo export --to native`)",
+    "llama_cpp": "llama.cpp (GGUF)",
 }
 # the test files that record outcomes
-CLIENT_TESTS = ["tests/test_clients.py", "tests/test_serving.py", "tests/test_export.py", "tests/test_floor.py"]
+CLIENT_TESTS = [
+    "tests/test_clients.py",
+    "tests/test_serving.py",
+    "tests/test_export.py",
+    "tests/test_floor.py",
+    "tests/test_native_export.py",
+    "tests/test_llama_cpp.py",
+]
 
 
 def render(results: dict[str, dict[str, str]]) -> str:

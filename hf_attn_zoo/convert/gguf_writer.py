@@ -1,12 +1,19 @@
 """Zoo checkpoints as GGUF files that llama.cpp (and ollama, llama-cpp-python) run, written with the `gguf` package.
 
-llama.cpp has an architecture for the MHA family only: `llama`, with grouped key/value heads through
-`head_count_kv`. Its tensor names and metadata keys come from the `gguf` package's constants (`MODEL_TENSOR`,
-`GGUFWriter.add_*`), and two of llama.cpp's conventions matter for the numbers:
+Three llama.cpp architectures hold zoo variants (the attention class's `gguf_architecture`): `llama` for the MHA family
+(grouped key/value heads through `head_count_kv`), `granite_swa` for the sliding window, and `deepseek2` for MLA (every
+layer dense: `leading_dense_block_count` = the layer count; the latent up-projected by `attn_kv_b`, llama.cpp's path
+without absorption). llama.cpp's `llama` ignores `sliding_window` (measured: it attends over the whole context);
+`granite_swa` is Llama's layout with llama.cpp's standard window (a key at distance >= `sliding_window` is masked: w
+keys, the query's own included, as transformers' mask) on the layers its pattern marks, here all of them, with a
+logit scale of 1 and per-head attention sinks of -1e30 (a sink adds exp(sink) to the softmax's denominator: nothing).
+Tensor names and metadata keys come from the `gguf` package's constants (`MODEL_TENSOR`, `GGUFWriter.add_*`), and
+two of llama.cpp's conventions matter for the numbers:
 
-- RoPE: llama.cpp's `llama` rotates adjacent channel pairs (2i, 2i + 1), transformers' Llama pairs i with i + d/2.
-  The rows of `q_proj` and `k_proj` (and their biases) are reordered per head so that llama.cpp's pairs are
-  transformers' pairs: row 2i + j of a head is row j·d/2 + i of the original.
+- RoPE: llama.cpp's `llama`, `granite_swa` and `deepseek2` rotate adjacent channel pairs (2i, 2i + 1), the zoo
+  pairs i with i + d/2. The rows producing rotated channels (a head's rows of `q_proj` and `k_proj` and their
+  biases; MLA's RoPE rows of the queries and of `kv_a_proj_with_mqa`) are reordered so that llama.cpp's pairs are
+  the zoo's: row 2i + j of a rotated block is row j·d/2 + i of the original.
 - Types: f32 keeps every tensor in float32; f16 stores matrices in float16 and keeps the norms' vectors in float32,
   as llama.cpp's own converter does; q8_0 quantises matrices whose rows are a multiple of its 32-value block and
   stores the others in float16.
@@ -17,8 +24,9 @@ tokens, merges, token types (special tokens are control tokens) and BOS / EOS / 
 would split differently (another model, a normaliser, no GPT-2 regular expression with merges) is refused.
 
 What else is refused, naming the field: a position type other than RoPE, a norm other than RMSNorm, an MLP other
-than the gated one, an activation other than SiLU, RoPE scaling, and any variant outside the MHA family (reasons in
-`gguf_refusal`).
+than the gated one, an activation other than SiLU, RoPE scaling; for MLA, biases (`deepseek2` has none), a latent
+without its norm and per-layer RoPE frequencies (a converted MLA), and no RoPE-free query part; and every variant
+llama.cpp has no architecture for (reasons in `gguf_refusal`).
 """
 
 import json
@@ -32,23 +40,16 @@ from ..models import get_variant
 from .llama import LLAMA_BACKBONE
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
-GGUF_ARCHITECTURE = "llama"
 Q8_0_BLOCK = 32  # values per q8_0 block: a row must be a multiple of it
 
 
 def gguf_refusal(config) -> str | None:
-    """Why llama.cpp's `llama` architecture cannot compute what the zoo config `config` computes (a clause), or
-    None when it can."""
+    """Why llama.cpp cannot compute what the zoo config `config` computes (a clause), or None when the variant's
+    GGUF architecture can."""
     variant = get_variant(config.model_type)
     architecture = variant.attention_class.gguf_architecture
     if architecture is None:
-        if variant.family == "sliding_window":
-            return (
-                "llama.cpp's llama architecture ignores sliding_window and attends over the whole context (measured: "
-                "its tokens leave the zoo's once the prompt is longer than the window), and no llama.cpp "
-                "architecture with a window shares Llama's layout"
-            )
-        return f"llama.cpp has no architecture for its attention ({variant.description})"
+        return "llama.cpp has no architecture that computes its attention"
     for field, required in LLAMA_BACKBONE.items():
         if getattr(config, field) != required:
             return f"{field}={getattr(config, field)!r}: llama.cpp's {architecture} needs {required!r}"
@@ -56,6 +57,16 @@ def gguf_refusal(config) -> str | None:
         return f"hidden_act={config.hidden_act!r}: llama.cpp's {architecture} gates its MLP with SiLU"
     if config.rope_parameters.get("rope_type", "default") != "default":
         return f"rope_type={config.rope_parameters['rope_type']!r}: only unscaled RoPE is written"
+    if architecture == "deepseek2":
+        if config.attention_bias or config.mlp_bias:
+            return "attention_bias / mlp_bias: llama.cpp's deepseek2 has no biases"
+        if not config.latent_norm or config.rope_frequencies is not None:
+            return (
+                "latent_norm=False / rope_frequencies (a converted MLA): llama.cpp's deepseek2 normalises the latent "
+                "and has no bias to hold the constant channel that cancels the norm in the DeepSeek-V3 export"
+            )
+        if config.qk_nope_head_dim < 1:
+            return "qk_nope_head_dim=0: llama.cpp's deepseek2 needs a RoPE-free part in every query head"
     return None
 
 
@@ -76,13 +87,15 @@ def tokenizer_refusal(tokenizer_json: dict) -> str | None:
     return None
 
 
-def permute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def permute_rotary(weight: torch.Tensor, heads: int, unrotated: int = 0) -> torch.Tensor:
     """Rows of a query or key projection (or bias) reordered per head from rotate_half pairs (i, i + d/2) to
-    llama.cpp's adjacent pairs (2i, 2i + 1)."""
-    head_dim = weight.shape[0] // heads
-    # (heads * d, ...) -> (heads, 2, d/2, ...) -> (heads, d/2, 2, ...) -> (heads * d, ...)
-    split = weight.reshape(heads, 2, head_dim // 2, *weight.shape[1:])
-    return split.transpose(1, 2).reshape(weight.shape)
+    llama.cpp's adjacent pairs (2i, 2i + 1); the first `unrotated` rows of each head (MLA's RoPE-free part) stay."""
+    per_head = weight.reshape(heads, weight.shape[0] // heads, *weight.shape[1:])  # (heads, u + d, ...)
+    plain, rotated = per_head[:, :unrotated], per_head[:, unrotated:]
+    half = rotated.shape[1] // 2
+    # (heads, d, ...) -> (heads, 2, d/2, ...) -> (heads, d/2, 2, ...) -> (heads, d, ...)
+    rotated = rotated.reshape(heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(rotated.shape)
+    return torch.cat((plain, rotated), dim=1).reshape(weight.shape)
 
 
 def tokenizer_json_of(tokenizer) -> dict:
@@ -149,8 +162,87 @@ def stored(tensor: torch.Tensor, dtype: str):
     return array.astype(np.float16), None
 
 
+def add_llama_metadata(writer, config) -> None:
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+
+
+def add_granite_swa_metadata(writer, config) -> None:
+    add_llama_metadata(writer, config)
+    writer.add_logit_scale(1.0)  # granite divides the logits by it
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([True] * config.num_hidden_layers)  # every layer attends through the window
+    writer.add_rope_freq_base_swa(float(config.rope_parameters["rope_theta"]))
+
+
+NO_SINK = -1e30  # an attention sink's logit: exp(NO_SINK - max) is 0 in every softmax
+
+
+def add_deepseek2_metadata(writer, config) -> None:
+    # the non-absorbed MLA of llama.cpp: every head's keys and values up-projected, like MHA with H key/value heads
+    writer.add_head_count_kv(config.num_attention_heads)
+    writer.add_key_length(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length(config.v_head_dim)
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    writer.add_q_lora_rank(config.q_lora_rank or 0)  # 0: queries through attn_q directly
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    writer.add_leading_dense_block_count(config.num_hidden_layers)  # no layer has experts
+    writer.add_expert_feed_forward_length(config.intermediate_size)  # read even when no layer has experts
+    writer.add_expert_shared_count(0)
+
+
+def layer_tensor_names(architecture: str) -> dict[str, tuple]:
+    """A decoder layer's state-dict names (after `model.layers.N.`) -> (GGUF tensor kind, "weight" or "bias")."""
+    import gguf
+
+    kind = gguf.MODEL_TENSOR
+    names = {
+        "input_layernorm.weight": (kind.ATTN_NORM, "weight"),
+        "post_attention_layernorm.weight": (kind.FFN_NORM, "weight"),
+    }
+    projections = {"mlp.gate_proj": kind.FFN_GATE, "mlp.up_proj": kind.FFN_UP, "mlp.down_proj": kind.FFN_DOWN}
+    projections["self_attn.o_proj"] = kind.ATTN_OUT
+    if architecture in ("llama", "granite_swa"):
+        projections.update({"self_attn.q_proj": kind.ATTN_Q, "self_attn.k_proj": kind.ATTN_K})
+        projections["self_attn.v_proj"] = kind.ATTN_V
+    else:
+        projections.update(
+            {
+                "self_attn.q_proj": kind.ATTN_Q,
+                "self_attn.q_a_proj": kind.ATTN_Q_A,
+                "self_attn.q_b_proj": kind.ATTN_Q_B,
+                "self_attn.kv_a_proj_with_mqa": kind.ATTN_KV_A_MQA,
+                "self_attn.kv_b_proj": kind.ATTN_KV_B,
+            }
+        )
+        names["self_attn.q_a_layernorm.weight"] = (kind.ATTN_Q_A_NORM, "weight")
+        names["self_attn.kv_a_layernorm.weight"] = (kind.ATTN_KV_A_NORM, "weight")
+    for module, tensor_kind in projections.items():
+        for part in ("weight", "bias"):
+            names[f"{module}.{part}"] = (tensor_kind, part)
+    return names
+
+
+def rotary_rows(config, architecture: str, rest: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (a layer's `rest`) with the rows that RoPE rotates in llama.cpp's pair order."""
+    if architecture in ("llama", "granite_swa"):
+        if rest.startswith("self_attn.q_proj"):
+            return permute_rotary(tensor, config.num_attention_heads)
+        if rest.startswith("self_attn.k_proj"):
+            return permute_rotary(tensor, config.num_key_value_heads)
+        return tensor
+    if rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+        return permute_rotary(tensor, config.num_attention_heads, config.qk_nope_head_dim)
+    if rest == "self_attn.kv_a_proj_with_mqa.weight":  # the latent's rows, then the shared RoPE key's
+        return permute_rotary(tensor, 1, config.kv_lora_rank)
+    return tensor
+
+
 def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", name: str | None = None) -> Path:
-    """Write a zoo MHA-family causal LM and its tokenizer as one GGUF file for llama.cpp's `llama` architecture."""
+    """Write a zoo causal LM and its tokenizer as one GGUF file for llama.cpp (`llama` for the MHA family,
+    `granite_swa` for the sliding window, `deepseek2` for MLA)."""
     import gguf
 
     config = model.config
@@ -159,9 +251,9 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
         raise ValueError(f"{config.model_type} cannot be written to GGUF: {reason}.")
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {GGUF_DTYPES}.")
+    architecture = get_variant(config.model_type).attention_class.gguf_architecture
     path = Path(path)
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    writer = gguf.GGUFWriter(str(path), GGUF_ARCHITECTURE)
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name(name or path.stem)
     writer.add_file_type(
         {
@@ -174,36 +266,16 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_head_count(config.num_attention_heads)
+    metadata = {"llama": add_llama_metadata, "granite_swa": add_granite_swa_metadata}
+    metadata.get(architecture, add_deepseek2_metadata)(writer, config)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
     add_tokenizer(writer, tokenizer, config.vocab_size)
 
-    names = gguf.TENSOR_NAMES
-    layer_names = {
-        "input_layernorm.weight": (gguf.MODEL_TENSOR.ATTN_NORM, "weight"),
-        "post_attention_layernorm.weight": (gguf.MODEL_TENSOR.FFN_NORM, "weight"),
-        "mlp.gate_proj.weight": (gguf.MODEL_TENSOR.FFN_GATE, "weight"),
-        "mlp.up_proj.weight": (gguf.MODEL_TENSOR.FFN_UP, "weight"),
-        "mlp.down_proj.weight": (gguf.MODEL_TENSOR.FFN_DOWN, "weight"),
-    }
-    for projection, kind in (("q", gguf.MODEL_TENSOR.ATTN_Q), ("k", gguf.MODEL_TENSOR.ATTN_K)):
-        for part in ("weight", "bias"):
-            layer_names[f"self_attn.{projection}_proj.{part}"] = (kind, part)
-    for part in ("weight", "bias"):
-        layer_names[f"self_attn.v_proj.{part}"] = (gguf.MODEL_TENSOR.ATTN_V, part)
-        layer_names[f"self_attn.o_proj.{part}"] = (gguf.MODEL_TENSOR.ATTN_OUT, part)
-        for mlp, kind in (("gate", gguf.MODEL_TENSOR.FFN_GATE), ("up", gguf.MODEL_TENSOR.FFN_UP)):
-            layer_names[f"mlp.{mlp}_proj.{part}"] = (kind, part)
-        layer_names[f"mlp.down_proj.{part}"] = (gguf.MODEL_TENSOR.FFN_DOWN, part)
-
-    state = model.state_dict()
-    for key, tensor in state.items():
+    names, layer_names = gguf.TENSOR_NAMES, layer_tensor_names(architecture)
+    for key, tensor in model.state_dict().items():
         if key == "model.embed_tokens.weight":
             target = f"{names[gguf.MODEL_TENSOR.TOKEN_EMBD]}.weight"
         elif key == "model.norm.weight":
@@ -215,18 +287,20 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
         else:
             _, _, layer, rest = key.split(".", 3)  # model.layers.N.<rest>
             if rest not in layer_names:
-                raise ValueError(f"{key}: no GGUF tensor for it in llama.cpp's {GGUF_ARCHITECTURE} architecture")
+                raise ValueError(f"{key}: no GGUF tensor for it in llama.cpp's {architecture} architecture")
             kind, part = layer_names[rest]
             target = f"{names[kind].format(bid=int(layer))}.{part}"
-            if rest.startswith("self_attn.q_proj"):
-                tensor = permute_rotary(tensor, heads)
-            elif rest.startswith("self_attn.k_proj"):
-                tensor = permute_rotary(tensor, kv_heads)
+            tensor = rotary_rows(config, architecture, rest, tensor)
         array, raw_dtype = stored(tensor, dtype)
         if raw_dtype is None:
             writer.add_tensor(target, array)
         else:
             writer.add_tensor(target, array, raw_dtype=raw_dtype)  # the logical shape follows from the bytes
+
+    if architecture == "granite_swa":
+        sinks = np.full((config.num_attention_heads,), NO_SINK, dtype=np.float32)
+        for layer in range(config.num_hidden_layers):
+            writer.add_tensor(f"{names[gguf.MODEL_TENSOR.ATTN_SINKS].format(bid=layer)}.weight", sinks)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -37,10 +37,13 @@ __all__ = [
 INSTEAD = {
     "serve-cb": "serve it without `--continuous_batching`",
     "kvpress": "decode with the full cache",
-    "vllm-native": "serve it with `hf-attn-zoo serve`",
+    "native": "serve it with `hf-attn-zoo serve`, or load it with trust_remote_code",
+    "llama_cpp": "export it `--to native` (transformers, vLLM) where it has a native architecture, or serve it with "
+    "`hf-attn-zoo serve`",
+    "vllm-native": "serve it with `hf-attn-zoo serve`, or load it with trust_remote_code",
     "vllm-transformers": (
-        "export it to a native format (`hf-attn-zoo export CKPT --to FORMAT OUT`) where one holds it and serve that "
-        "with vLLM, or serve it with `hf-attn-zoo serve`"
+        "export it `--to native` (`hf-attn-zoo export CKPT --to native OUT`) where it has a native architecture and "
+        "serve that with vLLM, or serve it with `hf-attn-zoo serve`"
     ),
 }
 

@@ -173,7 +173,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
 
     family = "mla"
     native_format = "deepseek_v3"  # all-dense DeepSeek-V3 with rope_interleave=False (hf_attn_zoo.convert.deepseek)
-    gguf_architecture = None
+    gguf_architecture = "deepseek2"  # llama.cpp's MLA, every layer dense
     backends = ("eager", "sdpa")  # flash attention would take the padded values too; nothing here tests it
     compiles_fullgraph = True  # the path is chosen by the query length, a static shape
     caches = "a latent (kv_lora_rank) and a shared RoPE key (qk_rope_head_dim)"  # see `cached_widths`

@@ -54,7 +54,7 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
 
     family = "sliding_window"
     native_format = "mistral"  # the same mask builder over the same `sliding_window`
-    gguf_architecture = None  # llama.cpp's `llama` ignores the window (hf_attn_zoo.convert.gguf_writer)
+    gguf_architecture = "granite_swa"  # Llama's layout with a window; llama.cpp's `llama` ignores the window
     dense_mask_function = staticmethod(create_sliding_window_causal_mask)
 
     @classmethod
