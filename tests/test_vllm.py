@@ -299,8 +299,8 @@ def test_openai_server_answers_a_chat_as_generate_does(tmp_path, vllm_ready):
 # ties it); with the RoPE rows permuted, rope_interleave=True and lm_head written out, the first two tokens agree and
 # the rest still differ, with vLLM's MLA kernel and without it (VLLM_MLA_DISABLE=1).
 DEEPSEEK_IN_VLLM = (
-    "vLLM 0.32's DeepseekV3ForCausalLM gives other tokens than the DeepSeek-V3 export, which transformers reads "
-    "exactly (tests/test_vllm.py: DEEPSEEK_IN_VLLM)"
+    "vLLM 0.32's own DeepseekV3ForCausalLM (CPU) answers the DeepSeek-V3 export with other tokens than the zoo "
+    "model and transformers' DeepseekV3 give (tests/test_vllm.py, DEEPSEEK_IN_VLLM)"
 )
 # the variants a native architecture computes (`hf-attn-zoo export --to native`: the MHA family as Llama, sliding
 # window as Mistral, MLA as DeepSeek-V3's latent attention)
@@ -332,7 +332,10 @@ def test_exported_checkpoint_runs_on_vllms_own_class(name, tmp_path, vllm_ready,
     request = {"model": str(exported), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
     answer = run_vllm(request, tmp_path / "vllm")
     assert answer["model_class"] == architecture
-    assert answer["token_ids"] == greedy_tokens(folder, PROMPTS)
+    expected = greedy_tokens(folder, PROMPTS)
+    if name == "mla" and answer["token_ids"] != expected:
+        works_with("vllm-native", name, fails=DEEPSEEK_IN_VLLM)  # the table says it while vLLM answers otherwise
+    assert answer["token_ids"] == expected
     works_with("vllm-native", name)
 
 
@@ -352,8 +355,8 @@ def test_a_variant_without_a_native_architecture_is_refused_by_export(name, tmp_
     message = str(refusal.value)
     assert message.startswith(f"zoo_{name} has no native transformers architecture")
     assert message.endswith(f"; {INSTEAD}.")
-    # the table adds what to do instead (`clients_zoo.INSTEAD["vllm-native"]`)
-    works_with("vllm-native", name, refused=message.removesuffix(f"; {INSTEAD}."))
+    # the native export's own words (tests/test_native_export.py); the table adds what to do instead
+    works_with("vllm-native", name, refused="no native transformers architecture computes its attention")
 
 
 def test_vllm_environment_lives_outside_the_checkout():
