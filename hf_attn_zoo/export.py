@@ -119,12 +119,14 @@ def generation_config_for(checkpoint: Path, native_config):
 
 def export_card(config, target: str, source: str, extra: str = "") -> str:
     """The model card of an exported folder: what it is, where it came from, how to load it."""
-    from .cards import card_metadata
-
-    metadata = card_metadata(config, tags=[target, "hf-attn-zoo-export"])
     import yaml
 
+    from .cards import card_metadata
+
     native = target != "gguf"
+    metadata = card_metadata(config, tags=[target, "hf-attn-zoo-export"])
+    if not native:
+        metadata.pop("library_name")  # llama.cpp reads the file, not transformers; the Hub reads the "gguf" tag
     use = (
         [
             "```python",
