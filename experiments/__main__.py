@@ -27,6 +27,7 @@ EXPERIMENTS = {
     "mla-smollm2": ("mla.latent", "SmolLM2-135M converted to MLA at three cache sizes, uptrained, against MQA"),
     "mla-decode": ("mla.latent", "batch-1 decoding of MLA, absorbed and expanded, against GQA of equal parameters"),
     "llama-cpp": ("speed.llama_cpp", "llama.cpp tokens/s on the GGUF export (f32, f16, q8_0) beside generate()"),
+    "vllm": ("speed.vllm_throughput", "vLLM on the Llama export vs vLLM's transformers backend vs hf-attn-zoo serve"),
     "seq2seq": ("speed.seq2seq", "MHA encoder-decoder vs T5: training, generate(), cross-attention cache; the RNN"),
     "translation": ("translation.translation", "the translation board: RNNs, Transformers, GQA uptraining, seeds"),
 }

@@ -36,12 +36,18 @@ if TYPE_CHECKING:
 
 def deploy_targets(variant) -> str:
     """Where `hf-attn-zoo export` takes a variant, from its attention class's facts: the native transformers
-    architecture computing it and llama.cpp's GGUF, else the zoo's own server."""
+    architecture computing it and llama.cpp's GGUF, else the zoo's own server; and whether vLLM serves the zoo
+    checkpoint as it is (its transformers backend, `clients_zoo.vllm_refusal` of the variant's default config)."""
+    from .models.clients_zoo import vllm_refusal
+
     attention = variant.attention_class
     targets = [f"`{attention.native_format}`"] if attention.native_format else []
     if attention.gguf_architecture:
         targets.append("GGUF")
-    return f"export: {', '.join(targets)}" if targets else "`hf-attn-zoo serve`"
+    deploy = f"export: {', '.join(targets)}" if targets else "`hf-attn-zoo serve`"
+    if vllm_refusal(attention, variant.config()) is None:
+        deploy += "; vLLM as is"
+    return deploy
 
 
 def variant_table() -> str:

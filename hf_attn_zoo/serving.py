@@ -12,6 +12,8 @@ paged cache that only its attention functions (`ALL_ATTENTION_FUNCTIONS`) write 
 class states its math and `models/clients_zoo.py` says whether it can run exactly that way; one that cannot is
 refused here, before the server starts, with one line saying why and what to run instead, rather than answering
 with text its own `generate()` would not give or killing the server's batching worker.
+
+`vllm_refusal` answers the same question for vLLM's transformers backend (docs/integrations.md, "Serve with vLLM").
 """
 
 import sys
@@ -37,6 +39,20 @@ def continuous_batching_refusal(checkpoint: str | Path, trust_remote_code: bool 
         f"hf-attn-zoo serve: {config.model_type} cannot be served with --continuous_batching: {reason}; serve it "
         f"without --continuous_batching (requests then run through its own generate())."
     )
+
+
+def vllm_refusal(checkpoint: str | Path, trust_remote_code: bool = False) -> str | None:
+    """The one line refusing vLLM's transformers backend (`vllm serve CKPT --model-impl transformers
+    --trust-remote-code`, `LLM(CKPT, model_impl="transformers", trust_remote_code=True)`) for `checkpoint`, or None
+    when its variant runs there exactly (or it is not a zoo model).
+
+    vLLM builds the model from the checkpoint's remote code with its own attention function, which the MHA family and
+    sliding window hand their queries, keys and values to; for any other variant the model refuses to be built, with
+    this line, before vLLM loads a weight. Asking here first says so without starting vLLM."""
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    if config.model_type not in {variant.model_type for variant in VARIANTS.values()}:
+        return None
+    return clients_zoo.vllm_refusal_line(get_variant(config.model_type).attention_class, config)
 
 
 def make_zoo_classes_reachable() -> None:

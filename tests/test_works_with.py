@@ -17,13 +17,23 @@ def test_the_page_table_is_rendered_from_the_recorded_results():
     )
 
 
+# (client, variant) cells where the real client runs and answers otherwise, for a reason outside the zoo that the
+# client's test states (and xfails strictly, so the cell changes when the client is fixed)
+KNOWN_FAILURES = {
+    # vLLM 0.32's DeepseekV3ForCausalLM on the DeepSeek-V3 export (tests/test_vllm.py: DEEPSEEK_IN_VLLM)
+    ("vllm-native", "mla"),
+}
+
+
 def test_every_client_has_an_answer_for_every_variant():
-    """Every cell is "works" or an up-front refusal with its reason; the MHA family and sliding window work with
-    every client."""
+    """Every cell is "works" or an up-front refusal with its reason (or one of the known failures, with its reason);
+    the MHA family and sliding window work with every client."""
     assert set(RESULTS) == set(works_with.CLIENTS)
     for client, outcomes in RESULTS.items():
         assert set(outcomes) == {name for name in VARIANTS if name in CONFORMANCE}, client
         for name, outcome in outcomes.items():
+            if (client, name) in KNOWN_FAILURES and outcome.startswith("fails: "):
+                continue
             assert outcome == "works" or outcome.startswith("refused: ") and len(outcome) > 20, (client, name)
             if VARIANTS[name].family in ("mha", "sliding_window"):
                 assert outcome == "works", (client, name, outcome)

@@ -13,7 +13,8 @@ layer keeps per token), `maps_per_head` (differential attention's two), `scores`
 product), `keeps_scores` (a selection before the softmax), `backends` (whether transformers' attention functions run
 it) and the config's position type. Every refusal below follows from those, so a new variant answers every client by
 stating its math, and a new client is one function here. The backbone (`ZooAttention.__setattr__`,
-`ZooModel._check_cache`), `hf_attn_zoo.serving` and the client tests read this module.
+`ZooModel._check_cache`, the vLLM path of the MHA family's attention), `hf_attn_zoo.serving` and the client tests
+read this module.
 
 Like its siblings it travels next to every saved checkpoint (remote code), so it imports only torch.
 """
@@ -22,11 +23,14 @@ import torch
 
 __all__ = [
     "INSTEAD",
+    "VLLM_ATTENTION",
     "attribute_refusal",
     "cache_refusal",
     "config_shaped_cache_refusal",
     "continuous_batching_refusal",
     "kv_compression_refusal",
+    "vllm_refusal",
+    "vllm_refusal_line",
 ]
 
 # What a refused variant can do instead, per client (the client tests' table shows it after the reason)
@@ -36,7 +40,16 @@ INSTEAD = {
     "native": "serve it with `hf-attn-zoo serve`, or load it with trust_remote_code",
     "llama_cpp": "export it `--to native` (transformers, vLLM) where it has a native architecture, or serve it with "
     "`hf-attn-zoo serve`",
+    "vllm-native": "serve it with `hf-attn-zoo serve`, or load it with trust_remote_code",
+    "vllm-transformers": (
+        "export it `--to native` (`hf-attn-zoo export CKPT --to native OUT`) where it has a native architecture and "
+        "serve that with vLLM, or serve it with `hf-attn-zoo serve`"
+    ),
 }
+
+# The names vLLM's transformers backend registers in transformers' `ALL_ATTENTION_FUNCTIONS` and sets as the config's
+# `_attn_implementation` before it builds a model: its own paged attention (and its multi-head-latent form)
+VLLM_ATTENTION = ("vllm", "vllm_mla")
 
 STATE = "it decodes from a running state per layer"
 
@@ -66,6 +79,47 @@ def continuous_batching_refusal(attention: type, config) -> str | None:
     if config.position_embedding_type == "alibi":
         return "ALiBi's bias needs each key's position, which transformers' paged cache does not pass to the mask"
     return None
+
+
+def vllm_refusal(attention: type, config) -> str | None:
+    """Why vLLM's transformers backend (`LLM(..., model_impl="transformers", trust_remote_code=True)`) cannot run
+    `attention` exactly (a short clause), or None when it can.
+
+    vLLM builds the model from its remote code, replaces every attention call that goes through
+    `ALL_ATTENTION_FUNCTIONS` with its own: plain softmax over scaled dot products of per-head queries and keys of
+    `head_dim`, keys and values kept in its paged cache (`num_key_value_heads` of them), causal, windowed only where
+    `layer_types` says "sliding_attention", and no bias or mask from the model (it packs every request into one row
+    and masks by itself). A variant whose attention is anything else would give other text."""
+    if attention.decodes_from_state():
+        return f"{STATE}, which vLLM's paged key/value cache cannot hold"
+    if attention.caches is not None:
+        return (
+            f"it caches {attention.caches} per token, which vLLM's transformers backend does not keep (its paged "
+            f"cache holds keys and values of num_key_value_heads x head_dim)"
+        )
+    if attention.maps_per_head > 1:
+        return f"it runs {attention.maps_per_head} attention maps per layer, and vLLM's attention computes one"
+    if attention.scores is not None:
+        return f"its scores are {attention.scores}, which vLLM's attention does not compute"
+    if attention.keeps_scores is not None:
+        return f"it keeps {attention.keeps_scores}, which vLLM's attention does not select"
+    if attention.backends == ("eager",):
+        return "its kernel is its own, not an attention function vLLM can replace with its own"
+    if config.position_embedding_type == "alibi":
+        return "ALiBi's bias arrives in the attention mask, which vLLM's attention does not read"
+    return None
+
+
+def vllm_refusal_line(attention: type, config) -> str | None:
+    """The one line refusing vLLM's transformers backend for a model of `config` (the reason and what to run
+    instead), or None when it runs exactly there."""
+    reason = vllm_refusal(attention, config)
+    if reason is None:
+        return None
+    return (
+        f'{config.model_type} cannot be served by vLLM\'s transformers backend (model_impl="transformers"): '
+        f"{reason}; {INSTEAD['vllm-transformers']}."
+    )
 
 
 def kv_compression_refusal(attention: type, config) -> str | None:

@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
+from .clients_zoo import VLLM_ATTENTION, vllm_refusal_line
 from .compat_zoo import update_cache
 from .configuration_zoo import HEADS, ZooConfig, sized
 from .heads_zoo import variant_heads
@@ -84,12 +85,26 @@ class ZooMultiHeadAttention(ZooAttention):
         input_shape = hidden_states.shape[:-1]  # (B, T)
         query_states, key_states, value_states = self.project(hidden_states, position_embeddings)
 
-        if cache is not None:
-            # (B, G, S, d_h): everything cached so far, this step included
-            key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
-
-        attn_output, attn_weights = self.attend(query_states, key_states, value_states, attention_mask, **kwargs)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()  # (B, T, H, d_h) -> (B, T, H * d_h)
+        implementation = self.config._attn_implementation
+        if implementation in VLLM_ATTENTION:
+            # vLLM's transformers backend finds this call in the source of `forward` and serves it with its own
+            # attention layer, which keeps the keys and values in its paged cache (the backbone passes no cache and
+            # no mask). Variants whose `attend` is not plain softmax attention were refused when the model was built
+            # (`ZooModel.__init__`); this is the check for a model whose config was switched afterwards.
+            if (refusal := vllm_refusal_line(type(self), self.config)) is not None:
+                raise ValueError(refusal)
+            attention_interface = ALL_ATTENTION_FUNCTIONS[implementation]
+            # (T, H * d_h): vLLM packs every request into the one row of the batch
+            attn_output, attn_weights = attention_interface(
+                self, query_states, key_states, value_states, attention_mask, scaling=self.scaling, **kwargs
+            )
+        else:
+            if cache is not None:
+                # (B, G, S, d_h): everything cached so far, this step included
+                key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
+            attn_output, attn_weights = self.attend(query_states, key_states, value_states, attention_mask, **kwargs)
+        # (B, T, H, d_h), or vLLM's (T, H * d_h) with B = 1, -> (B, T, H * d_h)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
     def project(
@@ -135,6 +150,13 @@ def backend_attention(
     query and key channels add nothing to any dot product (the scale is passed, not derived from the width), and the
     outputs of zero value channels are dropped."""
     implementation = module.config._attn_implementation
+    if implementation in VLLM_ATTENTION:
+        # vLLM's attention keeps one paged cache per layer and reads none of the padding below: only the MHA family's
+        # `forward` hands it its queries, keys and values; any other kernel reaching it would give other text
+        raise ValueError(
+            vllm_refusal_line(type(module), module.config)
+            or f"{module.config.model_type}: {type(module).__name__} cannot run on vLLM's attention function."
+        )
     width, value_width = query.shape[-1], value.shape[-1]
     if implementation != "eager" and width != value_width:
         if value_width < width:

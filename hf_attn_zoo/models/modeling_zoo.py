@@ -43,7 +43,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
 from .checkpoint_zoo import ShapeCheckedLoading, auto_map_for
-from .clients_zoo import cache_refusal
+from .clients_zoo import VLLM_ATTENTION, cache_refusal, vllm_refusal_line
 from .compat_zoo import (
     CACHE_KWARG,
     add_cache_position,
@@ -83,6 +83,11 @@ class ZooPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
     def __init__(self, config: ZooConfig, *inputs, **kwargs) -> None:
         # A config may have been mutated after construction: check it again before building anything.
         config.validate()
+        if config._attn_implementation in VLLM_ATTENTION:
+            # vLLM's transformers backend builds the model with its own attention function set: a variant it would
+            # compute another function for stops it here, before any weight loads, saying why
+            if (refusal := vllm_refusal_line(self.zoo_attention_class(), config)) is not None:
+                raise ValueError(refusal)
         super().__init__(config, *inputs, **kwargs)
 
     @classmethod
@@ -329,15 +334,19 @@ class ZooModel(ZooPreTrainedModel):
                 f"output_attentions=True, but {self.config.model_type} has no attention weights to return: {absent}; "
                 f"the output's `attentions` stays empty."
             )
-        causal_mask = attention_mask_for(
-            self.attention_class,
-            self.config,
-            inputs_embeds,
-            attention_mask,
-            cache,
-            position_ids,
-            kwargs["output_attentions"],
-        )
+        if self.config._attn_implementation in VLLM_ATTENTION:
+            # vLLM's attention masks by itself, from the requests it packed into this one row and its paged cache
+            causal_mask = None
+        else:
+            causal_mask = attention_mask_for(
+                self.attention_class,
+                self.config,
+                inputs_embeds,
+                attention_mask,
+                cache,
+                position_ids,
+                kwargs["output_attentions"],
+            )
 
         cross = {}
         if self.cross_attention_class is not None:
