@@ -122,6 +122,7 @@ def export_card(config, target: str, source: str, extra: str = "") -> str:
     import yaml
 
     from .cards import card_metadata
+    from .serving import VLLM_NATIVE_MISMATCHES
 
     native = target != "gguf"
     metadata = card_metadata(config, tags=[target, "hf-attn-zoo-export"])
@@ -136,7 +137,11 @@ def export_card(config, target: str, source: str, extra: str = "") -> str:
             'tokenizer = AutoTokenizer.from_pretrained("PATH")',
             "```",
             "",
-            f"vLLM (`vllm serve PATH`), TGI and SGLang load it as they load any other {target} checkpoint.",
+            (
+                f"Not for vLLM: {VLLM_NATIVE_MISMATCHES[target]}; serve it with transformers."
+                if target in VLLM_NATIVE_MISMATCHES  # a format's name is its model_type
+                else f"vLLM (`vllm serve PATH`), TGI and SGLang load it as they load any other {target} checkpoint."
+            ),
         ]
         if native
         else [

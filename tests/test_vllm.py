@@ -333,10 +333,25 @@ def test_exported_checkpoint_runs_on_vllms_own_class(name, tmp_path, vllm_ready,
     answer = run_vllm(request, tmp_path / "vllm")
     assert answer["model_class"] == architecture
     expected = greedy_tokens(folder, PROMPTS)
-    if name == "mla" and answer["token_ids"] != expected:
-        works_with("vllm-native", name, fails=DEEPSEEK_IN_VLLM)  # the table says it while vLLM answers otherwise
     assert answer["token_ids"] == expected
     works_with("vllm-native", name)
+
+
+def test_the_deepseek_export_is_refused_for_vllm_up_front(tmp_path, works_with):
+    """vLLM's DeepseekV3 answers the zoo's MLA export otherwise (the strict xfail above measures it, and flips when
+    vLLM is fixed): the zoo's deploy check refuses it naming why and what to use, and the export's card says so."""
+    from hf_attn_zoo.serving import vllm_refusal
+
+    folder = tmp_path / "mla"
+    VARIANTS["mla"].causal_lm_class(tiny_config("mla")).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    exported = export_checkpoint(folder, "native", tmp_path / "mla-native")
+    line = vllm_refusal(exported)
+    assert line.startswith(f"{exported} (deepseek_v3, exported by hf-attn-zoo) is not for vLLM: vLLM's own Deepseek")
+    assert "hf-attn-zoo serve" in line and line.endswith("(`hf-attn-zoo export --to gguf`).")
+    assert "Not for vLLM" in (exported / "README.md").read_text()
+    assert vllm_refusal(save_checkpoint("gqa", tmp_path / "gqa")) is None  # a zoo MHA-family checkpoint runs there
+    works_with("vllm-native", "mla", refused=DEEPSEEK_IN_VLLM.split(" (tests/")[0])
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if name not in EXPORTABLE])

@@ -19,10 +19,7 @@ def test_the_page_table_is_rendered_from_the_recorded_results():
 
 # (client, variant) cells where the real client runs and answers otherwise, for a reason outside the zoo that the
 # client's test states (and xfails strictly, so the cell changes when the client is fixed)
-KNOWN_FAILURES = {
-    # vLLM 0.32's DeepseekV3ForCausalLM on the DeepSeek-V3 export (tests/test_vllm.py: DEEPSEEK_IN_VLLM)
-    ("vllm-native", "mla"),
-}
+KNOWN_FAILURES: set[tuple[str, str]] = set()  # none today: vLLM's DeepseekV3 on the MLA export is refused up front
 
 
 def test_every_client_has_an_answer_for_every_variant():
