@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from experiments.quality import quality
 from hf_attn_zoo.models import VARIANTS
@@ -224,3 +225,34 @@ def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
     alibi = dict(quality.claims(rows, setup))[next(c for c in verdicts if c.startswith("ALiBi"))]
     assert alibi.startswith("holds: alibi 19.50 ± 0.00 at 2048, no worse than 21.00 ± 1.00 at 256")
     assert "sinusoidal 90.00 ± 0.00 at 2048, worse than" in alibi and "learned refused at 2048" in alibi
+
+
+def test_ablations_build_the_board_cell_with_exactly_their_change():
+    """Each ablation is the board's cell (its shape and matched MLP) with the one change it names: the "before" rows
+    rebuild the initialisations the fixes replaced, the fixed rows are the variants' defaults."""
+    from experiments.quality import ablations
+
+    setup = ablations.AblationSetup(output_dir="unused")
+
+    def rms(tensor):
+        return tensor.detach().pow(2).mean().sqrt().item()
+
+    def built(name):
+        return ablations.build(setup, ablations.ABLATIONS[name], 4096, 256)
+
+    before, fixed = built("sinusoidal-before"), built("sinusoidal")
+    tokens = torch.arange(1, 4096)
+    assert rms(before.get_input_embeddings()(tokens)) == pytest.approx(0.02 * 128**0.5, rel=0.05)  # 0.23
+    assert before.config.sinusoid_amplitude == 1.0
+    assert rms(fixed.get_input_embeddings()(tokens)) == pytest.approx(0.02, rel=0.05)
+    assert ablations.position_rms(fixed, 256) == pytest.approx(0.02, rel=1e-9)  # amplitude 0.02·sqrt(2)
+    assert rms(built("learned-before").model.embed_positions.weight) == pytest.approx(0.02, rel=0.05)
+    assert not built("learned").model.embed_positions.weight.any()
+    assert torch.equal(built("differential-before").model.layers[0].self_attn.head_norm.weight, torch.ones(32))
+    assert built("differential").model.layers[0].self_attn.head_norm.weight[0].item() == pytest.approx(0.02 * 128**0.5)
+    # the fixed cells are the board's own: same fields, same initialisation
+    board = quality.QualitySetup(output_dir="unused")
+    for name in ("sinusoidal", "learned", "differential"):
+        ablation = ablations.ABLATIONS[name]
+        fields, _, _ = quality.cell_fields(board, quality.Cell(ablation.variant, ablation.positions, 0), 4096, 256)
+        assert built(name).config.intermediate_size == fields["intermediate_size"]

@@ -62,10 +62,10 @@ ABLATIONS = {
         fields={"scale_embedding": True},
         token_std=0.02,
     ),
-    "sinusoidal-before-lr/2": Ablation(
+    "sinusoidal-before-lr0.5": Ablation(
         "gqa", "sinusoidal", "before, lr x0.5", fields={"scale_embedding": True}, token_std=0.02, lr_factor=0.5
     ),
-    "sinusoidal-before-lrx2": Ablation(
+    "sinusoidal-before-lr2": Ablation(
         "gqa", "sinusoidal", "before, lr x2", fields={"scale_embedding": True}, token_std=0.02, lr_factor=2
     ),
     "sinusoidal-vaswani": Ablation(
@@ -81,15 +81,15 @@ ABLATIONS = {
         fields={"scale_embedding": False},
     ),
     "learned-before": Ablation("gqa", "learned", "position table at std 0.02 (HF GPT-2, OPT)", position_std=0.02),
-    "learned-before-lr/2": Ablation("gqa", "learned", "before, lr x0.5", position_std=0.02, lr_factor=0.5),
-    "learned-before-lrx2": Ablation("gqa", "learned", "before, lr x2", position_std=0.02, lr_factor=2),
+    "learned-before-lr0.5": Ablation("gqa", "learned", "before, lr x0.5", position_std=0.02, lr_factor=0.5),
+    "learned-before-lr2": Ablation("gqa", "learned", "before, lr x2", position_std=0.02, lr_factor=2),
     "learned-0.01": Ablation("gqa", "learned", "position table at std 0.01 (GPT-2's own code)", position_std=0.01),
     "learned": Ablation("gqa", "learned", "position table at zero"),
     "differential-before": Ablation(
         "differential", "rope", "head norm scale at 1 (the paper's code)", head_norm_weight=1
     ),
-    "differential-before-lr/2": Ablation("differential", "rope", "before, lr x0.5", head_norm_weight=1, lr_factor=0.5),
-    "differential-before-lrx2": Ablation("differential", "rope", "before, lr x2", head_norm_weight=1, lr_factor=2),
+    "differential-before-lr0.5": Ablation("differential", "rope", "before, lr x0.5", head_norm_weight=1, lr_factor=0.5),
+    "differential-before-lr2": Ablation("differential", "rope", "before, lr x2", head_norm_weight=1, lr_factor=2),
     "differential-before-warmup-20%": Ablation(
         "differential", "rope", "before, warm-up 20% of the steps", head_norm_weight=1, warmup=0.2
     ),
