@@ -88,11 +88,11 @@ def test_scaled_token_embeddings_start_at_unit_rms_as_fairseq_and_tensor2tensor(
     assert positions.pow(2).mean().sqrt().item() == pytest.approx(2**-0.5, rel=1e-6)
 
 
-@pytest.mark.parametrize("scale_embedding, amplitude", [(None, 0.2 * 2**0.5), (True, 1.0)])
-def test_sinusoids_enter_at_the_token_embeddings_rms(scale_embedding, amplitude):
+@pytest.mark.parametrize("scale_embedding, amplitude", [(None, 0.2 * 2**0.5 / 4), (True, 1.0)])
+def test_sinusoids_enter_below_the_token_embeddings_rms(scale_embedding, amplitude):
     """Beside unscaled tokens (std `initializer_range`, 0.2 here) the sinusoids have amplitude initializer_range *
-    sqrt(2), RMS initializer_range: at amplitude 1 they outweighed tokens 35 to 1 at std 0.02. Beside scaled tokens
-    (RMS 1) Vaswani's amplitude 1. The first layer sees exactly tokens + amplitude * PE."""
+    sqrt(2) / 4, RMS a quarter of the tokens': at amplitude 1 they outweighed tokens 35 to 1 at std 0.02. Beside
+    scaled tokens (RMS 1) Vaswani's amplitude 1. The first layer sees exactly tokens + amplitude * PE."""
     model = tiny_model("gqa", "sinusoidal", scale_embedding=scale_embedding)
     assert model.config.sinusoid_amplitude == pytest.approx(amplitude, rel=1e-12)
     input_ids = torch.randint(3, 90, (2, 9))

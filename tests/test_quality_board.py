@@ -245,7 +245,8 @@ def test_ablations_build_the_board_cell_with_exactly_their_change():
     assert rms(before.get_input_embeddings()(tokens)) == pytest.approx(0.02 * 128**0.5, rel=0.05)  # 0.23
     assert before.config.sinusoid_amplitude == 1.0
     assert rms(fixed.get_input_embeddings()(tokens)) == pytest.approx(0.02, rel=0.05)
-    assert ablations.position_rms(fixed, 256) == pytest.approx(0.02, rel=1e-9)  # amplitude 0.02·sqrt(2)
+    assert ablations.position_rms(fixed, 256) == pytest.approx(0.005, rel=1e-9)  # a quarter of the tokens' RMS
+    assert ablations.position_rms(built("sinusoidal-token-rms"), 256) == pytest.approx(0.02, rel=1e-9)
     assert rms(built("learned-before").model.embed_positions.weight) == pytest.approx(0.02, rel=0.05)
     assert not built("learned").model.embed_positions.weight.any()
     assert torch.equal(built("differential-before").model.layers[0].self_attn.head_norm.weight, torch.ones(32))

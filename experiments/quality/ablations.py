@@ -74,12 +74,19 @@ ABLATIONS = {
         "tokens std 1/sqrt(d) x sqrt(d) (RMS 1), amplitude 1: fairseq, t2t",
         fields={"scale_embedding": True},
     ),
-    "sinusoidal": Ablation(
+    "sinusoidal-token-rms": Ablation(
         "gqa",
         "sinusoidal",
         "tokens std 0.02 unscaled, sinusoids at the tokens' RMS (0.02)",
-        fields={"scale_embedding": False},
+        fields={"sinusoid_amplitude": 0.02 * 2**0.5},
     ),
+    "sinusoidal-token-rms-untied": Ablation(
+        "gqa",
+        "sinusoidal",
+        "sinusoids at the tokens' RMS, output head untied from the token table",
+        fields={"sinusoid_amplitude": 0.02 * 2**0.5, "tie_word_embeddings": False},
+    ),
+    "sinusoidal": Ablation("gqa", "sinusoidal", "tokens std 0.02 unscaled, sinusoids at a quarter of their RMS"),
     "learned-before": Ablation("gqa", "learned", "position table at std 0.02 (HF GPT-2, OPT)", position_std=0.02),
     "learned-before-lr0.5": Ablation("gqa", "learned", "before, lr x0.5", position_std=0.02, lr_factor=0.5),
     "learned-before-lr2": Ablation("gqa", "learned", "before, lr x2", position_std=0.02, lr_factor=2),
@@ -88,7 +95,9 @@ ABLATIONS = {
     "differential-before": Ablation(
         "differential", "rope", "head norm scale at 1 (the paper's code)", head_norm_weight=1
     ),
-    "differential-before-lr0.5": Ablation("differential", "rope", "before, lr x0.5", head_norm_weight=1, lr_factor=0.5),
+    "differential-before-lr0.5": Ablation(
+        "differential", "rope", "before, lr x0.5", head_norm_weight=1, lr_factor=0.5
+    ),
     "differential-before-lr2": Ablation("differential", "rope", "before, lr x2", head_norm_weight=1, lr_factor=2),
     "differential-before-warmup-20%": Ablation(
         "differential", "rope", "before, warm-up 20% of the steps", head_norm_weight=1, warmup=0.2
