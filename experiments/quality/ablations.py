@@ -10,7 +10,7 @@ of the position signal and of every residual branch's output, and the gradient n
 training, the validation perplexity (the first `--eval_windows` windows of the 2001-2010 addresses), the RMS of the
 token and position tables and differential's λ per layer.
 
-Each ablation is one file, `<output_dir>/runs/<name>.json`, written when it ends: a rerun skips finished ones, and
+Each ablation is one file, `<output_dir>/rows/<name>.json`, written when it ends: a rerun skips finished ones, and
 several processes may run different `--ablations` at once. The table (`ablations.md`) is rebuilt from those files.
 
     python -m experiments quality-ablations [--ablations sinusoidal sinusoidal-before] [--steps 150]
@@ -113,7 +113,7 @@ ABLATIONS = {
 class AblationSetup(Results):
     """One-seed ablations of the board's differential, sinusoidal and learned cells: init diagnostics, short runs."""
 
-    output_dir: str = field(default=str(STUDY / "ablations"), metadata={"help": "runs/<name>.json and ablations.md"})
+    output_dir: str = field(default=str(STUDY / "ablations"), metadata={"help": "rows/<name>.json and ablations.md"})
     data_dir: str = field(default=str(DATA / "sotu"), metadata={"help": "State of the Union folder (YEAR_*.txt)"})
     tokenizer: str = field(
         default=str(STUDY / "results" / "tokenizer"), metadata={"help": "the board's tokenizer (its results folder)"}
@@ -308,7 +308,7 @@ def run_ablations(setup: AblationSetup, log: Callable[[str], None] = print) -> d
     unknown = [name for name in setup.ablations if name not in ABLATIONS]
     if unknown:
         raise SystemExit(f"unknown ablation(s) {' '.join(unknown)}: known are {' '.join(ABLATIONS)}")
-    runs = Path(setup.output_dir) / "runs"
+    runs = Path(setup.output_dir) / "rows"
     runs.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer)
     splits = split_by_year(setup.data_dir)

@@ -544,18 +544,21 @@ def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
             verdict = "within noise"
         else:
             verdict = "does not hold at this scale"
-        return verdict, f"{verdict}: {show(a)} against {show(b)}, {gap:+.1%}"
+        return verdict, f"{show(a)} against {show(b)}, {gap:+.1%}"
 
     def all_of(verdicts: list[tuple[str, str]]) -> str:
-        """One verdict over several comparisons: the worst of them, then each comparison's own text."""
+        """One verdict over several comparisons: the worst of them, then each comparison with its own."""
         order = ["does not hold at this scale", "not measured", "within noise", "holds"]
         worst = min((verdict for verdict, _ in verdicts), key=order.index)
-        return f"{worst}: " + "; ".join(text for _, text in verdicts)
+        return f"{worst}: " + "; ".join(f"{text} ({verdict})" for verdict, text in verdicts)
+
+    def one(verdict: tuple[str, str]) -> str:
+        return f"{verdict[0]}: {verdict[1]}" if verdict[0] != "not measured" else verdict[1]
 
     linformer = key("linformer")
-    close = close_to(linformer, gqa, 0.05)[1]
+    close = one(close_to(linformer, gqa, 0.05))
     absolute = all_of([close_to((pv, p), (pv, "rope"), 0.10) for p in ("sinusoidal", "learned")])
-    differential = close_to(key("differential"), gqa, 0.10)[1]
+    differential = one(close_to(key("differential"), gqa, 0.10))
     return [
         (
             "Multi-head attention beats one head of the same width (Vaswani et al. 2017)",
