@@ -285,10 +285,12 @@ def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     config = model.config
     positions = true_positions(attention_mask)
     x = model.model.embed_tokens.weight[input_ids]
+    if config.scale_embedding:  # Vaswani et al. 2017, section 3.4: embeddings times sqrt(d)
+        x = x * config.hidden_size**0.5
     if config.position_embedding_type == "learned":
         x = x + model.model.embed_positions(positions)
-    elif config.position_embedding_type == "sinusoidal":  # Vaswani et al. 2017, section 3.4: embeddings times sqrt(d)
-        x = x * config.hidden_size**0.5 + sinusoid(positions, config.hidden_size)
+    elif config.position_embedding_type == "sinusoidal":  # of the config's amplitude
+        x = x + config.sinusoid_amplitude * sinusoid(positions, config.hidden_size)
     for layer in model.model.layers:
         x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -334,7 +336,7 @@ def seq2seq_logits(model, input_ids, attention_mask, decoder_input_ids, attentio
         if config.position_embedding_type == "learned":
             x = x + stack.embed_positions(positions)
         elif config.position_embedding_type == "sinusoidal":
-            x = x + sinusoid(positions, config.hidden_size)
+            x = x + config.sinusoid_amplitude * sinusoid(positions, config.hidden_size)
         return x
 
     encoder, decoder = model.model.encoder, model.model.decoder
