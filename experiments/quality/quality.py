@@ -319,6 +319,33 @@ class Board:
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")
 
+    def run(
+        self,
+        cells: list,
+        run: Callable[[object], dict],
+        keys: Callable[[object], dict],
+        done: Callable[[dict], str],
+        write: Callable[[list[dict]], None],
+        desc: str,
+        log: Callable[[str], None],
+    ) -> None:
+        """Run every unfinished cell (`run(cell)` -> its row) under a progress bar, recording each row the moment it
+        ends and calling `write(rows)` after it; a cell that raises is recorded with its error (and `keys(cell)`),
+        the board goes on, and a rerun tries it again. `done(row)` is the line logged for a finished cell."""
+        todo = [cell for cell in cells if not self.finished(cell)]
+        log(f"{len(cells) - len(todo)} of {len(cells)} cells finished already; {len(todo)} to run")
+        with tqdm(total=len(todo), desc=desc, unit="cell", file=sys.stdout) as bar:
+            for cell in todo:
+                bar.set_postfix_str(cell.name)
+                try:
+                    row = run(cell)
+                except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
+                    row = {"cell": cell.name, **keys(cell), "error": f"{type(error).__name__}: {one_line(error)}"}
+                self.record(row)
+                bar.update()
+                log(f"{cell.name}: " + (row["error"] if "error" in row else done(row)))
+                write(self.rows)
+
 
 def board_tokenizer(setup: QualitySetup, train_files: list[str], vocab_size: int):
     """The board's one tokenizer: a byte-level BPE trained on the training addresses, kept in the output folder (a
@@ -412,27 +439,15 @@ def run_board(setup: QualitySetup, log: Callable[[str], None] = print) -> list[d
         "test": read_texts(splits["test"]),
         "ood": ood_texts(setup.ood_dir, setup.ood_chars_per_work),
     }
-    todo = [cell for cell in cells if not board.finished(cell)]
-    log(f"{len(cells) - len(todo)} of {len(cells)} cells finished already; {len(todo)} to train")
-    with tqdm(total=len(todo), desc="quality board", unit="cell", file=sys.stdout) as bar:
-        for cell in todo:
-            bar.set_postfix_str(cell.name)
-            try:
-                row = run_cell(setup, cell, data)
-            except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
-                row = {"cell": cell.name, "variant": cell.variant, "positions": cell.positions, "seed": cell.seed}
-                row["error"] = f"{type(error).__name__}: {one_line(error)}"
-            board.record(row)
-            bar.update()
-            log(
-                f"{cell.name}: "
-                + (
-                    row["error"]
-                    if "error" in row
-                    else f"test perplexity {row['test_perplexity']:.2f}, {row['cell_seconds'] / 60:.1f} min"
-                )
-            )
-            write_board(setup, board.rows, log=lambda _: None)
+    board.run(
+        cells,
+        run=lambda cell: run_cell(setup, cell, data),
+        keys=lambda cell: {"variant": cell.variant, "positions": cell.positions, "seed": cell.seed},
+        done=lambda row: f"test perplexity {row['test_perplexity']:.2f}, {row['cell_seconds'] / 60:.1f} min",
+        write=lambda rows: write_board(setup, rows, log=lambda _: None),
+        desc="quality board",
+        log=log,
+    )
     write_board(setup, board.rows, log=log)
     return board.rows
 

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 from transformers.cache_utils import EncoderDecoderCache
 
@@ -718,23 +717,15 @@ def run_board(setup: TranslationSetup, log: Callable[[str], None] = print) -> li
         except ValueError as error:
             raise SystemExit(one_line(error)) from None
         log(f"{cell.family + '-' + cell.config:28s} {count:12,d} ({count / target - 1:+.2%})")
-    todo = [cell for cell in cells if not board.finished(cell)]
-    log(f"{len(cells) - len(todo)} of {len(cells)} cells finished already; {len(todo)} to run")
-    with tqdm(total=len(todo), desc="translation board", unit="cell", file=sys.stdout) as bar:
-        for cell in todo:
-            bar.set_postfix_str(cell.name)
-            try:
-                row = run_cell(setup, cell, corpus)
-            except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
-                row = {"cell": cell.name, "family": cell.family, "config": cell.config, "seed": cell.seed}
-                row["error"] = f"{type(error).__name__}: {one_line(error)}"
-            board.record(row)
-            bar.update()
-            log(
-                f"{cell.name}: "
-                + (row["error"] if "error" in row else f"BLEU {row['bleu']:.2f}, {row['cell_seconds'] / 60:.1f} min")
-            )
-            write_board(setup, board.rows, log=lambda _: None)
+    board.run(
+        cells,
+        run=lambda cell: run_cell(setup, cell, corpus),
+        keys=lambda cell: {"family": cell.family, "config": cell.config, "seed": cell.seed},
+        done=lambda row: f"BLEU {row['bleu']:.2f}, {row['cell_seconds'] / 60:.1f} min",
+        write=lambda rows: write_board(setup, rows, log=lambda _: None),
+        desc="translation board",
+        log=log,
+    )
     write_board(setup, board.rows, log=log)
     return board.rows
 
