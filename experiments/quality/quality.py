@@ -77,6 +77,17 @@ MLP_MULTIPLE = 8  # intermediate sizes are rounded to this
 MATCH_TOLERANCE = 0.10
 
 
+def config_fields(text: str) -> dict:
+    """The `--fields` option: a JSON mapping of config fields, or the board refused naming it."""
+    try:
+        extra = json.loads(text)
+    except ValueError as error:
+        raise SystemExit(f"--fields {text!r} is not JSON: {error}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit(f"--fields {text!r}: give a JSON mapping of config fields")
+    return extra
+
+
 @dataclass
 class QualitySetup(Results):
     """Every registered variant trained under one recipe: quality, cache and speed side by side, over seeds."""
@@ -148,13 +159,7 @@ class QualitySetup(Results):
         }
 
     def extra_fields(self) -> dict:
-        try:
-            extra = json.loads(self.fields)
-        except ValueError as error:
-            raise SystemExit(f"--fields {self.fields!r} is not JSON: {error}") from None
-        if not isinstance(extra, dict):
-            raise SystemExit(f"--fields {self.fields!r}: give a JSON mapping of config fields")
-        return extra
+        return config_fields(self.fields)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ overlap.
 """
 
 import csv
-import json
 import math
 import random
 import re
@@ -51,7 +50,7 @@ from transformers.cache_utils import EncoderDecoderCache
 
 from experiments.common import REPOSITORY, Results, draw_figures, main
 from experiments.common import Benchmark as Study
-from experiments.quality.quality import Board, compare, figure, mean_spread
+from experiments.quality.quality import Board, compare, config_fields, figure, mean_spread
 from experiments.speed.scaling import cache_nbytes
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.pooling import seq2seq_mha_to_gqa
@@ -162,13 +161,7 @@ class TranslationSetup(Results):
         return {name: getattr(self, name) for name in self.DEFINING}
 
     def extra_fields(self) -> dict:
-        try:
-            extra = json.loads(self.fields)
-        except ValueError as error:
-            raise SystemExit(f"--fields {self.fields!r} is not JSON: {error}") from None
-        if not isinstance(extra, dict):
-            raise SystemExit(f"--fields {self.fields!r}: give a JSON mapping of config fields")
-        return extra
+        return config_fields(self.fields)
 
 
 @dataclass(frozen=True)
