@@ -84,6 +84,17 @@ def check_source_lengths(tokenizer, sources: list[str], limit: int | None, name:
             )
 
 
+def set_generation_config(model, tokenizer, *, max_length: int, num_beams: int = 1) -> None:
+    """What `generate()` needs and every translator checkpoint carries: the tokenizer's special tokens, the decoder's
+    start token (`config.decoder_start_token_id`), `max_length` (start token included) and `num_beams`."""
+    generation = model.generation_config
+    generation.decoder_start_token_id = model.config.decoder_start_token_id
+    generation.bos_token_id, generation.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    generation.pad_token_id = tokenizer.pad_token_id
+    generation.max_length = max_length
+    generation.num_beams = num_beams
+
+
 @torch.no_grad()
 def translate(
     model, tokenizer, sources: list[str], num_beams: int = 1, max_new_tokens: int | None = None, batch_size: int = 16

@@ -20,7 +20,7 @@ from transformers import DataCollatorForSeq2Seq, TrainerCallback, set_seed
 from ..checkpoints import write_atomically
 from ..data import DataArguments
 from ..errors import UserError
-from ..evaluation.translation import labelled_nll
+from ..evaluation.translation import labelled_nll, set_generation_config
 from ..loading import resolve_source
 from ..pairs import build_pair_tokenizer, split_pairs, tokenize_pairs, write_pairs
 from .build import build_seq2seq_model, non_embedding_parameters, parameter_count
@@ -76,18 +76,6 @@ def translation_metrics(tokenizer):
     return compute
 
 
-def set_generation_config(model, tokenizer, data_args: DataArguments, training_args: ZooTrainingArguments) -> None:
-    """What `generate()` needs and every checkpoint carries: the special tokens, the decoder's start token,
-    `max_length` (the longest target plus the start token, or `training.generation_max_length`) and `num_beams`
-    (`training.generation_num_beams`, else greedy)."""
-    generation = model.generation_config
-    generation.decoder_start_token_id = model.config.decoder_start_token_id
-    generation.bos_token_id, generation.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    generation.pad_token_id = tokenizer.pad_token_id
-    generation.max_length = training_args.generation_max_length or data_args.max_target_length + 1
-    generation.num_beams = training_args.generation_num_beams or 1
-
-
 def validation_perplexity(trainer: ZooSeq2SeqTrainer, validation, collator, batch_size: int) -> float:
     """The validation references' perplexity, corpus-level and token-weighted (the Trainer's `eval_loss` is a mean
     of batch means). Every process scores every batch, as sharded models need all processes in each forward."""
@@ -122,7 +110,12 @@ def run_seq2seq(
     tokenizer, train, validation, splits = prepare_on_every_process(prepare_pairs, data_args, training_args)
     check_validation_fills_a_batch(len(validation), data_args, training_args)
     model = build_seq2seq_model(model_args, tokenizer, data_args.max_source_length)
-    set_generation_config(model, tokenizer, data_args, training_args)
+    set_generation_config(
+        model,
+        tokenizer,
+        max_length=training_args.generation_max_length or data_args.max_target_length + 1,
+        num_beams=training_args.generation_num_beams or 1,
+    )
     training_args.predict_with_generate = True  # BLEU and chrF are scores of translations
     # pairs differ in length: throughput counts the mean source + target tokens of a training pair per pair
     pair_tokens = sum(map(len, train["input_ids"])) / len(train) + sum(map(len, train["labels"])) / len(train)
