@@ -13,7 +13,6 @@ from ..convert import from_llama, mha_to_gqa
 from ..convert.calibrated import CALIBRATION_METHODS
 from ..data import tokenizer_fields
 from ..errors import MissingPathError, UserError, one_line
-from ..loading import resolve_source
 from ..models import SEQ2SEQ, ZooForCausalLM, get_variant
 from .recipe import ModelArguments
 
@@ -34,7 +33,7 @@ def build_model(model_args: ModelArguments, tokenizer, block_size: int, train_bl
     A calibrated `convert.method` fits on the first `convert.calibration_tokens` of the run's `train_blocks`."""
     if model_args.init_from is not None:
         kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(resolve_source(model_args.init_from), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_args.source, **kwargs)
         if not isinstance(model, ZooForCausalLM):
             model = from_llama(model)
         conversion = model_args.conversion
@@ -122,29 +121,10 @@ def _round_up(value: float, digits: int = 2) -> float:
     return round(math.ceil(value / scale) * scale, 12)
 
 
-def seq2seq_config(model_args: ModelArguments, **fields_):
-    """The config of the sequence-to-sequence model `model.variant` names: a registered one (`rnn`) from its preset,
-    or a decoder variant's config with `is_encoder_decoder=True` (its encoder-decoder form); `fields_` (the
-    tokenizer's) go over `model.config`. A field the config refuses is a `UserError` naming it."""
-    fields_ = {**model_args.config_fields(), **fields_}
-    try:
-        if model_args.variant not in SEQ2SEQ:
-            raise UserError(
-                f"model.variant={model_args.variant!r} is not registered; sequence-to-sequence models: "
-                f"{sorted(SEQ2SEQ)} (the decoder variants' encoder-decoders and the translators)."
-            )
-        # a translator's preset, or a decoder variant's with is_encoder_decoder=True (SEQ2SEQ's config_defaults)
-        return SEQ2SEQ[model_args.variant].config(model_args.size or None, **fields_)
-    except UserError:
-        raise
-    except ValueError as error:  # the config's validation names the field
-        raise UserError(f"model: {one_line(error)}") from error
-
-
 def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length: int):
-    """The translator to train: from `init_from`, or fresh from `seq2seq_config` with the tokenizer's vocabulary
-    and special tokens (the decoder starts from BOS, as the tokenizer's texts end with EOS). A source length beyond
-    the encoder's positions is refused."""
+    """The translator to train: from `init_from`, or fresh from `ModelArguments.seq2seq_config` with the tokenizer's
+    vocabulary and special tokens (the decoder starts from BOS, as the tokenizer's texts end with EOS). A source
+    length beyond the encoder's positions is refused."""
     from ..evaluation.translation import encoder_positions
 
     if model_args.conversion.num_key_value_heads is not None:
@@ -153,7 +133,7 @@ def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length
         )
     kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     if model_args.init_from is not None:
-        model = AutoModelForSeq2SeqLM.from_pretrained(resolve_source(model_args.init_from), **kwargs)
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.source, **kwargs)
         if len(tokenizer) > model.config.vocab_size:
             raise UserError(
                 f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
@@ -161,7 +141,7 @@ def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length
             )
     else:
         fields_ = tokenizer_fields(tokenizer) | {"decoder_start_token_id": tokenizer.bos_token_id}
-        config = seq2seq_config(model_args, **fields_)
+        config = model_args.seq2seq_config(**fields_)
         try:
             model = AutoModelForSeq2SeqLM.from_config(config, **kwargs)
         except ValueError as error:  # no encoder-decoder class registered for this config

