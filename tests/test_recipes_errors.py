@@ -159,3 +159,37 @@ def test_accelerate_launch_without_a_config_is_refused_on_cpu(tmp_path):
     assert result.returncode != 0
     assert "train.py: error:" in result.stderr and "torchrun --nproc_per_node" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+PAIRS_RECIPE = ROOT / "configs" / "train" / "bible_en_es_rnn.yaml"
+TRANSFORMER_RECIPE = ROOT / "configs" / "train" / "tiny_translation_transformer.yaml"
+
+
+@pytest.mark.parametrize("empty", ["[]", "", "null", "None"])
+def test_a_list_field_is_emptied_from_the_command_line(tmp_path, empty):
+    """`--data.test_groups []` (or '', null) holds out nothing: not a book named "[]"; later overrides still win."""
+    _, data_args, _ = load_recipe(PAIRS_RECIPE, ["--data.test_groups", empty, "--training.output_dir", str(tmp_path)])
+    assert data_args.test_groups == [] and data_args.validation_groups == ["Mark"]
+    _, data_args, _ = load_recipe(
+        PAIRS_RECIPE,
+        ["--data.test_groups", empty, "--data.test_groups", "Luke", "--training.output_dir", str(tmp_path)],
+    )
+    assert data_args.test_groups == ["Luke"]
+
+
+def test_a_list_field_takes_a_json_list(tmp_path):
+    overrides = ["--data.test_groups", '["Luke", "Acts of the Apostles"]', "--training.output_dir", str(tmp_path)]
+    _, data_args, _ = load_recipe(PAIRS_RECIPE, overrides)
+    assert data_args.test_groups == ["Luke", "Acts of the Apostles"]
+    with pytest.raises(UserError, match=r"--data\.test_groups \[Luke: not a JSON list"):
+        load_recipe(PAIRS_RECIPE, ["--data.test_groups", "[Luke", "--training.output_dir", str(tmp_path)])
+
+
+def test_a_config_override_changes_only_the_keys_it_names(tmp_path):
+    """The recipe's `config` mapping stays, but for the keys `--model.config` gives (it was replaced whole, and the
+    recipe's cross-attention heads fell back to the preset's unnoticed)."""
+    recipe_config = load_recipe(TRANSFORMER_RECIPE, ["--training.output_dir", str(tmp_path)])[0].config_fields()
+    overrides = ["--model.config", '{"dropout": 0.3, "cross_attention": "additive"}']
+    model_args, _, _ = load_recipe(TRANSFORMER_RECIPE, [*overrides, "--training.output_dir", str(tmp_path)])
+    assert model_args.config_fields() == {**recipe_config, "dropout": 0.3, "cross_attention": "additive"}
+    assert recipe_config["cross_attention_num_key_value_heads"] == 2  # the key that used to be lost
