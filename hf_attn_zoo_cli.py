@@ -3,6 +3,8 @@
     hf-attn-zoo list                      the registered variants
     hf-attn-zoo train CONFIG [overrides]  train from a YAML recipe (configs/train/*.yaml), `--training.max_steps 100`
     hf-attn-zoo eval MODEL --data FILE... perplexity, bits per byte and word perplexity of any causal LM
+    hf-attn-zoo translate MODEL [TEXT ...] [--file F] [--num_beams 4]   translations, one per line (stdin without
+                                          texts: transformers 5 has no translation pipeline)
     hf-attn-zoo translate-eval MODEL --data PAIRS... [--num_beams 4]   BLEU, chrF and the references' perplexity
     hf-attn-zoo lm-eval-task --data FILE... --out DIR   an lm-evaluation-harness task over local files
     hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap (a
@@ -40,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, get_args, get_origin
 
 from transformers import HfArgumentParser
 
@@ -78,6 +80,9 @@ class CommandParser(HfArgumentParser):
         if not field.metadata.get("positional"):
             return HfArgumentParser._parse_dataclass_field(parser, field)
         kind = next((t for t in get_args(field.type) if t is not type(None)), field.type)  # `str | None` -> str
+        if get_origin(field.type) is list:  # any number of them, none included (`translate CKPT [TEXT ...]`)
+            parser.add_argument(field.name, type=kind, nargs="*", help=field.metadata["help"])
+            return
         optional = {"nargs": "?", "default": field.default} if field.default is not dataclasses.MISSING else {}
         parser.add_argument(field.name, type=kind, help=field.metadata["help"], **optional)
 
@@ -146,6 +151,21 @@ class TranslateEvalOptions:
     trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
     json: bool = field(default=False, metadata={"help": "print one JSON object"})
     out: Path | None = field(default=None, metadata={"help": "also write the scores and the translations as JSON"})
+
+
+@dataclass
+class TranslateOptions:
+    model: str = positional(
+        "sequence-to-sequence checkpoint folder or Hub name (hf-attn-zoo train, model.task seq2seq)"
+    )
+    text: list[str] = positional("texts to translate, one translation per line (none: --file, else standard input)")
+    file: Path | None = field(default=None, metadata={"help": "translate this file's lines instead"})
+    num_beams: int | None = field(default=None, metadata={"help": "1: greedy (default: the checkpoint's)"})
+    max_new_tokens: int | None = field(
+        default=None, metadata={"help": "longest translation (default: twice the longest source in a batch, + 10)"}
+    )
+    batch_size: int = field(default=16, metadata={"help": "texts per generate() call"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "run the code saved with the model"})
 
 
 @dataclass
@@ -286,6 +306,11 @@ COMMANDS = {
         "BLEU and chrF (greedy or beam search) and the references' perplexity of a translator on pairs",
         "hf_attn_zoo.cli:translate_eval_command",
         TranslateEvalOptions,
+    ),
+    "translate": Command(
+        "translate texts (arguments, a file's lines or standard input) with a translator checkpoint",
+        "hf_attn_zoo.cli:translate_command",
+        TranslateOptions,
     ),
     "lm-eval-task": Command(
         "write an lm-evaluation-harness task scoring local text files, and print the lm_eval command",

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import UserError
+from .errors import MissingPathError, UserError
 from .models import VARIANTS
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
         PushOptions,
         ServeOptions,
         TranslateEvalOptions,
+        TranslateOptions,
     )
 
 # list
@@ -129,6 +131,29 @@ def evaluate_command(options: EvalOptions) -> dict:
 
 
 # translate-eval
+
+
+def translate_command(options: TranslateOptions) -> list[str]:
+    """Print the translations of the texts given (or of `--file`'s lines, or of standard input's), one per line."""
+    from .evaluation.translation import check_source_lengths, encoder_positions, load_translator, translate
+
+    if options.text and options.file is not None:
+        raise UserError("translate: give texts or --file, not both.")
+    if options.text:
+        texts = list(options.text)
+    elif options.file is not None:
+        if not options.file.is_file():
+            raise MissingPathError(f"--file {options.file} does not exist; give a text file, one source per line.")
+        texts = options.file.read_text().splitlines()
+    else:
+        texts = sys.stdin.read().splitlines()
+    model, tokenizer = load_translator(options.model, "translate", options.trust_remote_code)
+    check_source_lengths(tokenizer, texts, encoder_positions(model.config), options.model, "max_position_embeddings")
+    beams = options.num_beams or model.generation_config.num_beams or 1
+    translations = translate(model, tokenizer, texts, beams, options.max_new_tokens, options.batch_size)
+    for translation in translations:
+        print(translation)
+    return translations
 
 
 def translate_eval_command(options: TranslateEvalOptions) -> dict:

@@ -336,9 +336,11 @@ def tokenize_pairs(pairs, tokenizer: PreTrainedTokenizerBase, args: DataArgument
 
 
 def write_pairs(pairs, path: Path) -> Path:
-    """`pairs` (`source`, `target`) as a JSON lines file, one pair per line: what `hf-attn-zoo translate-eval`
-    reads back exactly (any character, tabs and quotes included)."""
+    """`pairs` (`source`, `target`, and the `data.split_by` column where the split kept it, so that the split can be
+    checked from the file) as a JSON lines file, one pair per line: what `hf-attn-zoo translate-eval` reads back
+    exactly (any character, tabs and quotes included)."""
+    columns = ["source", "target", *(name for name in pairs.column_names if name not in ("source", "target"))]
     with path.open("w", encoding="utf-8") as handle:
-        for source, target in zip(pairs["source"], pairs["target"]):
-            handle.write(json.dumps({"source": source, "target": target}, ensure_ascii=False) + "\n")
+        for row in zip(*(pairs[name] for name in columns)):
+            handle.write(json.dumps(dict(zip(columns, row)), ensure_ascii=False) + "\n")
     return path

@@ -17,7 +17,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from hf_attn_zoo.data import DataArguments
 from hf_attn_zoo.errors import UserError
 from hf_attn_zoo.models import get_variant
-from hf_attn_zoo.pairs import default_pairs, read_pair_files, split_pairs
+from hf_attn_zoo.pairs import default_pairs, read_pair_files, split_pairs, write_pairs
 from hf_attn_zoo.train import load_recipe, run_training
 from hf_attn_zoo_cli import main
 
@@ -123,6 +123,9 @@ def test_a_split_by_group_keeps_held_out_groups_out_of_training(tmp_path):
     assert {ref.split()[0] for ref in splits["train"]["ref"]} == {"B0"}
     assert {ref.split()[0] for ref in splits["validation"]["ref"]} == {"B1"}
     assert {ref.split()[0] for ref in splits["test"]["ref"]} == {"B2"} and len(splits["test"]) == 20
+    # the pairs files a run writes keep the split column: the split can be checked from them
+    rows = [json.loads(line) for line in write_pairs(splits["test"], tmp_path / "test.jsonl").read_text().splitlines()]
+    assert [row["ref"] for row in rows] == splits["test"]["ref"] and rows[0]["source"] == splits["test"]["source"][0]
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -158,6 +161,30 @@ def test_translate_eval_scores_as_sacrebleu_on_the_same_generations(trained, tmp
     assert scores["reference_perplexity"] == pytest.approx(float(torch.tensor(total / count).exp()), rel=1e-5)
     status, _, _ = run_cli(["translate-eval", final, "--data", pairs, "--num_beams", "3", "--json"], capsys)
     assert status == 0
+
+
+def test_translate_prints_the_translations_of_texts_a_file_or_standard_input(trained, tmp_path, capsys, monkeypatch):
+    """transformers 5 has no translation pipeline: `hf-attn-zoo translate` is how a checkpoint translates; its lines
+    are `generate()`'s, one per source, whichever way the sources come."""
+    import io
+
+    final = trained / "final"
+    sources = ["I see the book.", "They do not have the key.", "She does not want the coffee."]
+    model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
+    expected = [
+        tokenizer.decode(model.generate(**tokenizer(s, return_tensors="pt"))[0], skip_special_tokens=True).strip()
+        for s in sources
+    ]
+    status, printed, _ = run_cli(["translate", final, *sources], capsys)
+    assert status == 0 and printed.splitlines() == expected
+    (tmp_path / "sources.txt").write_text("\n".join(sources) + "\n")
+    status, printed, _ = run_cli(["translate", final, "--file", tmp_path / "sources.txt", "--batch_size", "2"], capsys)
+    assert status == 0 and printed.splitlines() == expected
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(sources)))
+    status, printed, _ = run_cli(["translate", final], capsys)
+    assert status == 0 and printed.splitlines() == expected
+    status, _, err = run_cli(["translate", final, "--file", tmp_path / "none.txt"], capsys)
+    assert status == 2 and "--file" in err and "does not exist" in err
 
 
 def test_attention_draws_the_cross_attention_of_a_translator(trained, tmp_path, capsys):
