@@ -158,7 +158,7 @@ def export_card(config, target: str, source: str, extra: str = "") -> str:
         "",
         f"# {config.model_type} as {target}",
         "",
-        f"A `{config.variant_name}` model from [hf_attn_zoo](https://pypi.org/project/hf-attn-zoo/) "
+        f"A `{config.variant_name}` model from the `hf_attn_zoo` package "
         f"({config.description}), exported from `{source}` by `hf-attn-zoo export --to {target}`: the same function "
         f"in {'the native ' + target + ' architecture of transformers' if native else 'a GGUF file for llama.cpp'}.",
         f"Paper: {config.paper}.",

@@ -85,7 +85,7 @@ def model_card(
         "",
         f"# {repo_id or config.model_type}",
         "",
-        f"A `{config.variant_name}` model from [hf_attn_zoo](https://pypi.org/project/hf-attn-zoo/): "
+        f"A `{config.variant_name}` model from the `hf_attn_zoo` package: "
         f"{config.description}.",
         f"Paper: {config.paper}{f' ({links})' if links else ''}.",
         "",
