@@ -84,15 +84,19 @@ def check_source_lengths(tokenizer, sources: list[str], limit: int | None, name:
             )
 
 
-def set_generation_config(model, tokenizer, *, max_length: int, num_beams: int = 1) -> None:
+def set_generation_config(
+    model, tokenizer, *, max_length: int, num_beams: int = 1, length_penalty: float = 1.0
+) -> None:
     """What `generate()` needs and every translator checkpoint carries: the tokenizer's special tokens, the decoder's
-    start token (`config.decoder_start_token_id`), `max_length` (start token included) and `num_beams`."""
+    start token (`config.decoder_start_token_id`), `max_length` (start token included), `num_beams` and beam
+    search's `length_penalty`."""
     generation = model.generation_config
     generation.decoder_start_token_id = model.config.decoder_start_token_id
     generation.bos_token_id, generation.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     generation.pad_token_id = tokenizer.pad_token_id
     generation.max_length = max_length
     generation.num_beams = num_beams
+    generation.length_penalty = length_penalty
 
 
 @torch.no_grad()
