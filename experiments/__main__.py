@@ -29,7 +29,7 @@ EXPERIMENTS = {
     "llama-cpp": ("speed.llama_cpp", "llama.cpp tokens/s on the GGUF export (f32, f16, q8_0) beside generate()"),
     "vllm": ("speed.vllm_throughput", "vLLM on the Llama export vs vLLM's transformers backend vs hf-attn-zoo serve"),
     "seq2seq": ("speed.seq2seq", "MHA encoder-decoder vs T5: training, generate(), cross-attention cache; the RNN"),
-    "translation": ("translation.translation", "the translation board: RNNs, Transformers, GQA uptraining, seeds"),
+    "translation": ("translation.board", "the translation board: RNNs, Transformers, GQA uptraining, seeds"),
 }
 
 

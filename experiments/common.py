@@ -1,5 +1,6 @@
 """What the experiments share: timed samples, samples alternating between a zoo model and its baseline,
-paired (back-to-back) ratios, the same-size `LlamaForCausalLM` baseline, result writing and the command line.
+paired (back-to-back) ratios, the same-size `LlamaForCausalLM` baseline, result writing, the command line, and the
+boards' resumable results file (`Board`) with their statistics over seeds (`mean_spread`, `figure`, `compare_seeds`).
 
 A script here serves one or more named benchmarks (its `BENCHMARKS`: name -> `Benchmark`) and runs as
 
@@ -19,11 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from tqdm.auto import tqdm
 from transformers import HfArgumentParser, LlamaConfig
 
 from hf_attn_zoo.checkpoints import write_atomically
+from hf_attn_zoo.errors import one_line
 from hf_attn_zoo.models import get_variant
 
 EXPERIMENTS = Path(__file__).resolve().parent
@@ -162,6 +165,113 @@ def draw_figures(folder: str | Path, plots: dict[str, Callable[[Path], bool]]) -
 
 # a benchmark's figures from its results: (the data of its results file) -> {file name: draw(path)}
 Figures = Callable[[Any], dict[str, Callable[[Path], bool]]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The boards: one row per cell in a resumable results file, figures over seeds
+
+
+def config_fields(text: str) -> dict:
+    """A board's `--fields` option: a JSON mapping of config fields, or the board refused naming it."""
+    try:
+        extra = json.loads(text)
+    except ValueError as error:
+        raise SystemExit(f"--fields {text!r} is not JSON: {error}") from None
+    if not isinstance(extra, dict):
+        raise SystemExit(f"--fields {text!r}: give a JSON mapping of config fields")
+    return extra
+
+
+class BoardSetup(Protocol):
+    """What `Board` reads of a board's setup: its folder and the options that define what a row means."""
+
+    output_dir: str
+
+    def defining(self) -> dict: ...
+
+
+class BoardCell(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class Board:
+    """board.json: the defining options and one row per cell, rewritten atomically after every cell."""
+
+    def __init__(self, setup: BoardSetup) -> None:
+        self.folder = Path(setup.output_dir)
+        self.path = self.folder / "board.json"
+        self.defining = setup.defining()
+        self.rows: list[dict] = []
+        if self.path.is_file():
+            stored = json.loads(self.path.read_text())
+            if stored["defining"] != self.defining:
+                changed = sorted(k for k in self.defining if stored["defining"].get(k) != self.defining[k])
+                was = "; ".join(f"{k}={stored['defining'].get(k)}" for k in changed)
+                raise SystemExit(
+                    f"{self.path} was trained with other options ({was}); rerun with those to resume it, or give "
+                    f"another --output_dir"
+                )
+            self.rows = stored["rows"]
+
+    def finished(self, cell: BoardCell) -> bool:
+        return any(row["cell"] == cell.name and "error" not in row for row in self.rows)
+
+    def record(self, row: dict) -> None:
+        self.rows = [r for r in self.rows if r["cell"] != row["cell"]] + [row]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")
+
+    def run(
+        self,
+        cells: Sequence[BoardCell],
+        run: Callable[[Any], dict],
+        keys: Callable[[Any], dict],
+        done: Callable[[dict], str],
+        write: Callable[[list[dict]], None],
+        desc: str,
+        log: Callable[[str], None],
+    ) -> None:
+        """Run every unfinished cell (`run(cell)` -> its row) under a progress bar, recording each row the moment it
+        ends and calling `write(rows)` after it; a cell that raises is recorded with its error (and `keys(cell)`),
+        the board goes on, and a rerun tries it again. `done(row)` is the line logged for a finished cell."""
+        todo = [cell for cell in cells if not self.finished(cell)]
+        log(f"{len(cells) - len(todo)} of {len(cells)} cells finished already; {len(todo)} to run")
+        with tqdm(total=len(todo), desc=desc, unit="cell", file=sys.stdout) as bar:
+            for cell in todo:
+                bar.set_postfix_str(cell.name)
+                try:
+                    row = run(cell)
+                except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
+                    row = {"cell": cell.name, **keys(cell), "error": f"{type(error).__name__}: {one_line(error)}"}
+                self.record(row)
+                bar.update()
+                log(f"{cell.name}: " + (row["error"] if "error" in row else done(row)))
+                write(self.rows)
+
+
+def mean_spread(values: list[float]) -> tuple[float, float]:
+    """The mean of the seeds and their sample standard deviation (0 for one seed)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def figure(values: list[float], digits: int = 2) -> str:
+    """`mean ± standard deviation` of the seeds as a table shows it; the one value alone; empty for none."""
+    if not values:
+        return ""
+    mean, spread = mean_spread(values)
+    return f"{mean:.{digits}f} ± {spread:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
+
+
+def compare_seeds(a: list[float], b: list[float]) -> int:
+    """-1 if every seed of `a` is below every seed of `b`, 1 if above, 0 where the ranges overlap (within noise)."""
+    if not a or not b:
+        return 0
+    if max(a) < min(b):
+        return -1
+    if min(a) > max(b):
+        return 1
+    return 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from experiments.common import main as run_benchmark
 from experiments.mla import latent
 from experiments.quality import quality
 from experiments.speed import decode, scaling
-from experiments.translation import translation
+from experiments.translation import report as translation_report
 from experiments.uptraining import uptraining
 from hf_attn_zoo.evaluation import attention_maps, plot_attention, plotting
 
@@ -45,7 +45,7 @@ def drawn(monkeypatch):
         plotting.save_figure(figure, path, dpi)
         figures.append(figure)
 
-    for module in (quality, scaling, decode, uptraining, latent, attention_maps, translation):
+    for module in (quality, scaling, decode, uptraining, latent, attention_maps, translation_report):
         monkeypatch.setattr(module, "save_figure", keep)
     return figures
 
@@ -198,7 +198,7 @@ def translation_board() -> list[dict]:
 
 def test_translation_figures_label_every_point_apart(drawn, tmp_path):
     board = {"defining": {"buckets": [16, 24, 64]}, "rows": translation_board()}
-    for name, draw in translation.board_figures(board).items():
+    for name, draw in translation_report.board_figures(board).items():
         assert draw(tmp_path / name), name
     assert len(drawn) == 4
     named = {t.get_text() for t in drawn[0].axes[0].texts}

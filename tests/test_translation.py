@@ -187,6 +187,28 @@ def test_translate_prints_the_translations_of_texts_a_file_or_standard_input(tra
     assert status == 2 and "--file" in err and "does not exist" in err
 
 
+def test_translations_batched_by_length_come_back_in_order_with_the_tokens_generated(trained):
+    from hf_attn_zoo.evaluation.translation import generate_translations, generated_token_count, translate
+
+    final = trained / "final"
+    model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
+    sources = [json.loads(line)["source"] for line in (trained / "validation_pairs.jsonl").read_text().splitlines()]
+    sources = sources[:7]
+    out = generate_translations(model, tokenizer, sources, max_new_tokens=12, batch_size=3, by_length=True)
+    assert out.texts == translate(model, tokenizer, sources, max_new_tokens=12, batch_size=3)
+    # one source at a time (no padding): the tokens behind the start token up to and including the first EOS
+    expected = 0
+    for source, text in zip(sources, out.texts):
+        generated = model.generate(**tokenizer(source, return_tensors="pt"), max_new_tokens=12)[0, 1:].tolist()
+        ends = [i for i, token in enumerate(generated) if token == tokenizer.eos_token_id]
+        expected += ends[0] + 1 if ends else len(generated)
+        assert tokenizer.decode(generated, skip_special_tokens=True).strip() == text
+    assert out.generated_tokens == expected
+    # padding after a row's EOS is not generated work, whether the pad token is EOS (2) or another (0)
+    rows = torch.tensor([[5, 6, 2, 2, 2], [5, 2, 0, 0, 0], [5, 6, 7, 8, 9]])  # (3, 5)
+    assert generated_token_count(rows, 2) == 3 + 2 + 5 and generated_token_count(rows, None) == 15
+
+
 def test_attention_draws_the_cross_attention_of_a_translator(trained, tmp_path, capsys):
     out = tmp_path / "map.png"
     status, printed, _ = run_cli(

@@ -1,13 +1,13 @@
-"""The translation board (experiments/translation/translation.py): a tiny board end to end on synthetic verse
-pairs, resuming and refusing other options, failing cells, parameter matching at the committed scale, the verdicts
-on synthetic rows, and the docs' verdicts being the committed board's own."""
+"""The translation board (experiments/translation/: cells.py, board.py, claims.py, report.py): a tiny board end to
+end on synthetic verse pairs, resuming and refusing other options, failing cells, parameter matching at the committed
+scale, the verdicts on synthetic rows, and the docs' verdicts being the committed board's own."""
 
 import csv
 import json
 
 import pytest
 
-from experiments.translation import translation
+from experiments.translation import board, cells, claims, report
 from hf_attn_zoo.pairs import default_pairs
 
 BOOKS = ["Alpha", "Beta", "Gamma", "Mark", "Luke", "Acts"]
@@ -26,7 +26,7 @@ def corpus_dir(tmp_path_factory):
     return folder
 
 
-def tiny_setup(corpus_dir, output_dir, **fields) -> translation.TranslationSetup:
+def tiny_setup(corpus_dir, output_dir, **fields) -> cells.TranslationSetup:
     options = {
         "output_dir": str(output_dir),
         "data_dir": str(corpus_dir),
@@ -53,12 +53,12 @@ def tiny_setup(corpus_dir, output_dir, **fields) -> translation.TranslationSetup
         "calibration_pairs": 40,
         "alignment_verses": 1,
     }
-    return translation.TranslationSetup(**{**options, **fields})
+    return cells.TranslationSetup(**{**options, **fields})
 
 
 def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
     setup = tiny_setup(corpus_dir, tmp_path)
-    rows = translation.run_board(setup, log=lambda _: None)
+    rows = board.run_board(setup, log=lambda _: None)
     names = [row["cell"] for row in rows]
     assert names[:6] == [
         "rnn-none-seed0",
@@ -87,16 +87,16 @@ def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
     assert by_name["uptrain-gqa-mean-0-seed0"]["cache_bytes_per_source_token"] == 2 * 32 * 4
     assert by_name["uptrain-gqa-mean-0-seed0"]["steps"] == 0 and by_name["uptrain-gqa-mean-0.5-seed0"]["steps"] >= 1
     assert by_name["rnn-bahdanau-seed0"]["alignment"] and by_name["transformer-mha-seed0"]["alignment"]
-    board = (tmp_path / "board.md").read_text()
-    assert "Attention beats the same RNN without it" in board and "Mean pooling converts best" in board
-    assert translation.verdict_block(rows, setup) in board
+    table = (tmp_path / "board.md").read_text()
+    assert "Attention beats the same RNN without it" in table and "Mean pooling converts best" in table
+    assert claims.verdict_block(rows, setup) in table
     assert (tmp_path / "tokenizer").is_dir() and (tmp_path / "parent" / "model.pt").is_file()
     pytest.importorskip("matplotlib")
     for name in ("frontier.png", "lengths.png", "uptraining.png", "alignment.png"):
         assert (tmp_path / name).is_file(), name
 
 
-def fake_row(cell: translation.Cell) -> dict:
+def fake_row(cell: cells.Cell) -> dict:
     return {
         "cell": cell.name,
         "family": cell.family,
@@ -120,30 +120,30 @@ def test_a_rerun_runs_only_unfinished_cells_retries_failures_and_refuses_other_o
             raise RuntimeError("out of memory")
         return fake_row(cell)
 
-    monkeypatch.setattr(translation, "run_cell", flaky)
-    monkeypatch.setattr(translation, "write_board", lambda *args, **kwargs: None)
-    rows = translation.run_board(setup, log=lambda _: None)
+    monkeypatch.setattr(board, "run_cell", flaky)
+    monkeypatch.setattr(board, "write_board", lambda *args, **kwargs: None)
+    rows = board.run_board(setup, log=lambda _: None)
     assert len(ran) == 10 and [r["cell"] for r in rows if "error" in r] == ["rnn-bahdanau-seed1"]
     assert "RuntimeError: out of memory" in rows[3]["error"]
     ran.clear()
-    rows = translation.run_board(setup, log=lambda _: None)
+    rows = board.run_board(setup, log=lambda _: None)
     assert ran == ["rnn-bahdanau-seed1"] and not any("error" in r for r in rows)
     ran.clear()
-    translation.run_board(setup, log=lambda _: None)
+    board.run_board(setup, log=lambda _: None)
     assert ran == []
     with pytest.raises(SystemExit, match="other options"):
-        translation.run_board(tiny_setup(corpus_dir, tmp_path, uptrain_methods=[], alphas=[], budget=600))
+        board.run_board(tiny_setup(corpus_dir, tmp_path, uptrain_methods=[], alphas=[], budget=600))
 
 
 def test_every_cell_of_the_committed_board_matches_the_mha_transformer_within_one_percent():
-    setup = translation.TranslationSetup(output_dir="unused")
+    setup = cells.TranslationSetup(output_dir="unused")
     tokens = {"vocab_size": 4000, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
     tokens["decoder_start_token_id"] = 0
     seen = set()
-    for cell in translation.plan(setup):
+    for cell in cells.plan(setup):
         if cell.family in ("rnn", "transformer", "encoder") and (cell.family, cell.config) not in seen:
             seen.add((cell.family, cell.config))
-            _, fields, count, target = translation.cell_spec(setup, cell, tokens)
+            _, fields, count, target = board.cell_spec(setup, cell, tokens)
             assert abs(count / target - 1) <= 0.01, cell
     assert len(seen) == 11
 
@@ -163,8 +163,8 @@ def buckets(short: list[float], long: list[float]) -> list[dict]:
 
 
 def verdicts(rows: list[dict], **fields) -> dict[str, str]:
-    setup = translation.TranslationSetup(output_dir="unused", encoders=["linformer"], buckets=[16, 64], **fields)
-    return dict(translation.claims(rows, setup))
+    setup = cells.TranslationSetup(output_dir="unused", encoders=["linformer"], buckets=[16, 64], **fields)
+    return dict(claims.claims(rows, setup))
 
 
 def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
@@ -223,33 +223,33 @@ def test_uptraining_claims_read_alpha_zero_against_the_uptrained_seeds():
 
 def test_docs_verdicts_are_rewritten_between_the_markers(tmp_path):
     page = tmp_path / "page.md"
-    begin, end = translation.MARKERS
+    begin, end = report.MARKERS
     page.write_text(f"# Page\n\n{begin}\nold verdicts\n{end}\n\nafter\n")
-    assert translation.write_docs("- **claim**: holds.", page)
+    assert report.write_docs("- **claim**: holds.", page)
     assert page.read_text() == f"# Page\n\n{begin}\n- **claim**: holds.\n{end}\n\nafter\n"
     plain = tmp_path / "plain.md"
     plain.write_text("no markers\n")
-    assert not translation.write_docs("- x", plain) and plain.read_text() == "no markers\n"
+    assert not report.write_docs("- x", plain) and plain.read_text() == "no markers\n"
 
 
 def test_the_docs_verdicts_are_the_committed_boards_own():
-    board = translation.STUDY / "results" / "board.json"
-    if not board.is_file():
+    path = cells.STUDY / "results" / "board.json"
+    if not path.is_file():
         pytest.skip("no committed translation board")
-    stored = json.loads(board.read_text())
-    setup = translation.TranslationSetup(**stored["defining"])
-    block = translation.verdict_block(stored["rows"], setup)
-    begin, end = translation.MARKERS
-    docs = translation.DOCS.read_text()
+    stored = json.loads(path.read_text())
+    setup = cells.TranslationSetup(**stored["defining"])
+    block = claims.verdict_block(stored["rows"], setup)
+    begin, end = report.MARKERS
+    docs = report.DOCS.read_text()
     assert docs.split(begin, 1)[1].split(end, 1)[0].strip() == block
-    assert block in (board.parent / "board.md").read_text()
-    readme = translation.README.read_text().split("\n")
-    assert translation.readme_row(stored["rows"], setup) in readme
+    assert block in (path.parent / "board.md").read_text()
+    readme = report.README.read_text().split("\n")
+    assert report.readme_row(stored["rows"], setup) in readme
 
 
 def test_the_readme_row_is_replaced_by_its_question(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"| q | m | w |\n{translation.README_ROW} old | link |\n| other | row | x |\n")
-    assert translation.write_readme(f"{translation.README_ROW} new | link |", readme)
-    assert readme.read_text() == f"| q | m | w |\n{translation.README_ROW} new | link |\n| other | row | x |\n"
-    assert not translation.write_readme("x", tmp_path / "absent.md")
+    readme.write_text(f"| q | m | w |\n{report.README_ROW} old | link |\n| other | row | x |\n")
+    assert report.write_readme(f"{report.README_ROW} new | link |", readme)
+    assert readme.read_text() == f"| q | m | w |\n{report.README_ROW} new | link |\n| other | row | x |\n"
+    assert not report.write_readme("x", tmp_path / "absent.md")

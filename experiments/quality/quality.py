@@ -46,13 +46,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from experiments.common import REPOSITORY, Benchmark, Results, draw_figures, main
+from experiments.common import (
+    REPOSITORY,
+    Benchmark,
+    Board,
+    Results,
+    compare_seeds,
+    config_fields,
+    draw_figures,
+    figure,
+    main,
+    mean_spread,
+)
 from experiments.speed.scaling import cache_nbytes
 from experiments.uptraining.uptraining import split_by_year
-from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.data import train_byte_level_bpe
 from hf_attn_zoo.errors import one_line
 from hf_attn_zoo.evaluation.perplexity import score_texts
@@ -75,17 +84,6 @@ DATA = REPOSITORY / "data"
 STUDY = Path(__file__).resolve().parent  # the board's results and its recipe's notes
 MLP_MULTIPLE = 8  # intermediate sizes are rounded to this
 MATCH_TOLERANCE = 0.10
-
-
-def config_fields(text: str) -> dict:
-    """The `--fields` option: a JSON mapping of config fields, or the board refused naming it."""
-    try:
-        extra = json.loads(text)
-    except ValueError as error:
-        raise SystemExit(f"--fields {text!r} is not JSON: {error}") from None
-    if not isinstance(extra, dict):
-        raise SystemExit(f"--fields {text!r}: give a JSON mapping of config fields")
-    return extra
 
 
 @dataclass
@@ -297,61 +295,6 @@ def ood_texts(ood_dir: str, chars: int) -> list[str]:
     return texts
 
 
-class Board:
-    """board.json: the defining options and one row per cell, rewritten atomically after every cell."""
-
-    def __init__(self, setup: QualitySetup) -> None:
-        self.folder = Path(setup.output_dir)
-        self.path = self.folder / "board.json"
-        self.defining = setup.defining()
-        self.rows: list[dict] = []
-        if self.path.is_file():
-            stored = json.loads(self.path.read_text())
-            if stored["defining"] != self.defining:
-                changed = sorted(k for k in self.defining if stored["defining"].get(k) != self.defining[k])
-                was = "; ".join(f"{k}={stored['defining'].get(k)}" for k in changed)
-                raise SystemExit(
-                    f"{self.path} was trained with other options ({was}); rerun with those to resume it, or give "
-                    f"another --output_dir"
-                )
-            self.rows = stored["rows"]
-
-    def finished(self, cell: Cell) -> bool:
-        return any(row["cell"] == cell.name and "error" not in row for row in self.rows)
-
-    def record(self, row: dict) -> None:
-        self.rows = [r for r in self.rows if r["cell"] != row["cell"]] + [row]
-        self.folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")
-
-    def run(
-        self,
-        cells: list,
-        run: Callable[[object], dict],
-        keys: Callable[[object], dict],
-        done: Callable[[dict], str],
-        write: Callable[[list[dict]], None],
-        desc: str,
-        log: Callable[[str], None],
-    ) -> None:
-        """Run every unfinished cell (`run(cell)` -> its row) under a progress bar, recording each row the moment it
-        ends and calling `write(rows)` after it; a cell that raises is recorded with its error (and `keys(cell)`),
-        the board goes on, and a rerun tries it again. `done(row)` is the line logged for a finished cell."""
-        todo = [cell for cell in cells if not self.finished(cell)]
-        log(f"{len(cells) - len(todo)} of {len(cells)} cells finished already; {len(todo)} to run")
-        with tqdm(total=len(todo), desc=desc, unit="cell", file=sys.stdout) as bar:
-            for cell in todo:
-                bar.set_postfix_str(cell.name)
-                try:
-                    row = run(cell)
-                except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
-                    row = {"cell": cell.name, **keys(cell), "error": f"{type(error).__name__}: {one_line(error)}"}
-                self.record(row)
-                bar.update()
-                log(f"{cell.name}: " + (row["error"] if "error" in row else done(row)))
-                write(self.rows)
-
-
 def board_tokenizer(setup: QualitySetup, train_files: list[str], vocab_size: int):
     """The board's one tokenizer: a byte-level BPE trained on the training addresses, kept in the output folder (a
     resumed board must tokenize as it began)."""
@@ -461,17 +404,6 @@ def run_board(setup: QualitySetup, log: Callable[[str], None] = print) -> list[d
 # Aggregation over seeds, the tables, the claims and the plots
 
 
-def mean_spread(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def figure(values: list[float], digits: int = 2) -> str:
-    if not values:
-        return ""
-    mean, spread = mean_spread(values)
-    return f"{mean:.{digits}f} ± {spread:.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
-
-
 def groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     """Finished rows by (variant, positions), in the board's order."""
     grouped: dict[tuple[str, str], list[dict]] = {}
@@ -479,18 +411,6 @@ def groups(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
         if "error" not in row:
             grouped.setdefault((row["variant"], row["positions"]), []).append(row)
     return grouped
-
-
-def compare(a: list[float], b: list[float]) -> int:
-    """-1 if every seed of `a` is below every seed of `b` (lower is better), 1 if above, 0 where the ranges overlap
-    (within noise)."""
-    if not a or not b:
-        return 0
-    if max(a) < min(b):
-        return -1
-    if min(a) > max(b):
-        return 1
-    return 0
 
 
 def values(grouped: dict, key: tuple[str, str], metric: str = "test_perplexity") -> list[float]:
@@ -512,7 +432,7 @@ def reads_longer(grouped: dict, key: tuple[str, str], trained: int, long: int) -
     at_long, at_trained = extrapolated(grouped, key, long), extrapolated(grouped, key, trained)
     if isinstance(at_long, str):
         return False, f"{key[1]} refused at {long} ({at_long})"
-    reads = compare(at_long, at_trained) <= 0
+    reads = compare_seeds(at_long, at_trained) <= 0
     worse = "no worse than" if reads else "worse than"
     return reads, f"{key[1]} {figure(at_long)} at {long}, {worse} {figure(at_trained)} at {trained}"
 
@@ -534,7 +454,7 @@ def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
 
     def beats(a: tuple[str, str], b: tuple[str, str]) -> str:
         verdict = {-1: "holds", 1: "does not hold at this scale", 0: "within noise"}
-        return f"{verdict[compare(values(grouped, a), values(grouped, b))]}: {show(a)} against {show(b)}"
+        return f"{verdict[compare_seeds(values(grouped, a), values(grouped, b))]}: {show(a)} against {show(b)}"
 
     mha, single, mqa, gqa = key("mha"), key("single_head"), key("mqa"), key("gqa")
     between = missing(mha, gqa, mqa)
@@ -560,7 +480,7 @@ def claims(rows: list[dict], setup: QualitySetup) -> list[tuple[str, str]]:
         gap = statistics.fmean(values(grouped, a)) / statistics.fmean(values(grouped, b)) - 1
         if gap <= within:
             verdict = "holds"
-        elif compare(values(grouped, a), values(grouped, b)) <= 0:
+        elif compare_seeds(values(grouped, a), values(grouped, b)) <= 0:
             verdict = "within noise"
         else:
             verdict = "does not hold at this scale"

@@ -9,12 +9,18 @@ or `hf-attn-zoo translate-eval CHECKPOINT --data pairs.tsv [--num_beams 4] [--js
 and token-weighted, as the language models' (`exp` of the summed negative log-likelihood of every reference token,
 EOS included, over their count), with the model reading the source and the reference before each token (teacher
 forcing): how likely the model finds the human translation, independent of the decoding.
+
+Its parts serve callers that score in their own way: `generate_translations` (the translations and the tokens
+generated, in batches of similar length if asked), `translation_metric` (the metric, loaded once a process) and
+`reference_perplexity`.
 """
 
+import functools
 import json
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -99,18 +105,71 @@ def set_generation_config(
     generation.length_penalty = length_penalty
 
 
+class Translations(NamedTuple):
+    """What `generate_translations` returns: the translations, detokenized, in the order of the sources, and the
+    tokens generated (behind the decoder's start token, each row's first EOS counted, the padding after it not)."""
+
+    texts: list[str]
+    generated_tokens: int
+
+
+def generated_token_count(generated: torch.Tensor, eos_token_id: int | None) -> int:
+    """Tokens of `generated` (B, T: behind the start token) up to and including each row's first EOS: the padding
+    `generate()` puts after a finished row is not generated work, whether the pad token is EOS or another."""
+    if eos_token_id is None:
+        return generated.numel()
+    is_eos = generated == eos_token_id  # (B, T)
+    ended = is_eos.cumsum(1)  # (B, T): EOS tokens so far in the row, this one included
+    return int(((ended == 0) | ((ended == 1) & is_eos)).sum())
+
+
 @torch.no_grad()
+def generate_translations(
+    model,
+    tokenizer,
+    sources: list[str],
+    num_beams: int = 1,
+    max_new_tokens: int | None = None,
+    batch_size: int = 16,
+    by_length: bool = False,
+) -> Translations:
+    """The model's translations of `sources` (greedy, or beam search with `num_beams`) and the tokens it generated.
+    `by_length`: batches of sources of similar length (sorted by characters), so that a batch pads less; the
+    translations come back in the sources' order either way."""
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i])) if by_length else list(range(len(sources)))
+    limit = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+    texts, generated_tokens = [""] * len(sources), 0
+    for start in range(0, len(order), batch_size):
+        chosen = order[start : start + batch_size]
+        inputs = tokenizer([sources[i] for i in chosen], return_tensors="pt", padding=True).to(model.device)
+        generated = model.generate(**inputs, num_beams=num_beams, do_sample=False, **limit)  # (B, 1 + T)
+        generated_tokens += generated_token_count(generated[:, 1:], tokenizer.eos_token_id)  # behind the start
+        for index, text in zip(chosen, tokenizer.batch_decode(generated, skip_special_tokens=True)):
+            texts[index] = text.strip()
+    return Translations(texts, generated_tokens)
+
+
 def translate(
-    model, tokenizer, sources: list[str], num_beams: int = 1, max_new_tokens: int | None = None, batch_size: int = 16
+    model,
+    tokenizer,
+    sources: list[str],
+    num_beams: int = 1,
+    max_new_tokens: int | None = None,
+    batch_size: int = 16,
+    by_length: bool = False,
 ) -> list[str]:
     """The model's translations of `sources` (greedy, or beam search with `num_beams`), detokenized."""
-    translations = []
-    for start in range(0, len(sources), batch_size):
-        inputs = tokenizer(sources[start : start + batch_size], return_tensors="pt", padding=True).to(model.device)
-        limit = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
-        generated = model.generate(**inputs, num_beams=num_beams, do_sample=False, **limit)  # (B, T)
-        translations += tokenizer.batch_decode(generated, skip_special_tokens=True)
-    return [text.strip() for text in translations]
+    return generate_translations(model, tokenizer, sources, num_beams, max_new_tokens, batch_size, by_length).texts
+
+
+@functools.cache
+def translation_metric():
+    """The shipped BLEU/chrF `evaluate` module (`hf_attn_zoo.evaluation.TRANSLATION`), loaded once a process."""
+    import evaluate
+
+    from . import TRANSLATION
+
+    return evaluate.load(TRANSLATION)
 
 
 @torch.no_grad()
@@ -140,6 +199,15 @@ def reference_nll(model, tokenizer, sources: list[str], targets: list[str], batc
     return total, tokens
 
 
+def reference_perplexity(
+    model, tokenizer, sources: list[str], targets: list[str], batch_size: int = 16
+) -> tuple[float, int]:
+    """(corpus perplexity, tokens) of the reference `targets` given `sources`: `exp` of the summed negative
+    log-likelihood over the token count (capped at `exp(700)`, below float overflow)."""
+    nll, tokens = reference_nll(model, tokenizer, sources, targets, batch_size)
+    return math.exp(min(nll / max(tokens, 1), 700.0)), tokens
+
+
 def score_translation(
     model,
     tokenizer,
@@ -151,17 +219,13 @@ def score_translation(
 ) -> dict:
     """BLEU, chrF (0-100, sacrebleu's corpus scores and signatures) of the model's translations and the references'
     perplexity, with the translations themselves."""
-    import evaluate
-
-    from . import TRANSLATION
-
     translations = translate(model, tokenizer, sources, num_beams, max_new_tokens, batch_size)
-    scores = evaluate.load(TRANSLATION).compute(predictions=translations, references=targets)
-    nll, tokens = reference_nll(model, tokenizer, sources, targets, batch_size)
+    scores = translation_metric().compute(predictions=translations, references=targets)
+    perplexity, tokens = reference_perplexity(model, tokenizer, sources, targets, batch_size)
     return {
         "bleu": scores["bleu"],
         "chrf": scores["chrf"],
-        "reference_perplexity": math.exp(min(nll / max(tokens, 1), 700.0)),
+        "reference_perplexity": perplexity,
         "reference_tokens": tokens,
         "pairs": len(sources),
         "num_beams": num_beams,

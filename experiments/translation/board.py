@@ -1,0 +1,565 @@
+"""The translation board: the notes' claims about attention in sequence to sequence, and GQA uptraining in the
+encoder-decoder setting of Ainslie et al. 2023, measured under one recipe with seeds and noise.
+
+Corpus: English -> Spanish verse pairs of the Bible (`--data_dir`, a `pairs.tsv` with columns ref, en, es), split by
+book: validation `--validation_books` (Mark), test `--test_books` (Luke, Acts), training every other book, so no verse
+of a held-out book is trained on. One byte-level BPE of `--vocab_size`, trained once on the training books' English
+and Spanish together and kept in `<output_dir>/tokenizer` (a resumed board tokenizes as it began). Training pairs
+whose source or target is longer than `--max_length` tokens are dropped (the board states how many); the test sample
+is `--test_pairs` verses of the test books drawn once with a fixed seed among those that fit.
+
+A *cell* is one (family, configuration, seed), each trained on `--budget` source + target tokens by one recipe
+(AdamW, linear warm-up then cosine decay, batches of `--batch_size` pairs of similar length):
+- `rnn`: the GRU encoder-decoder (`zoo_rnn`) without attention, with Bahdanau's and with Luong's attention;
+- `transformer`: the zoo encoder-decoder with MHA, GQA and MQA (the decoder's self- and cross-attention pooled to
+  `--gqa_key_value_heads` / one key/value head, the encoder multi-head, as the paper's T5) and with Bahdanau's
+  additive cross-attention;
+- `encoder`: the variants with a bidirectional form as whole encoder-decoders (the zoo builds both stacks from one
+  variant: the encoder its bidirectional form, the decoder its causal form) under MHA cross-attention;
+- `parent` and `uptrain`: an MHA parent trained on `--parent_factor` budgets (one seed), converted by every
+  `--uptrain_methods` to GQA and MQA in the decoder's self- and cross-attention (`seq2seq_mha_to_gqa`), then
+  uptrained on `--alphas` of the parent's steps (alpha 0: the conversion alone, deterministic, one cell).
+Parameters are matched within 1% of the MHA transformer's (total, the shared embedding counted once): a
+transformer's MLP width, an RNN's state size solved for it.
+
+Per cell (one JSON row in `<output_dir>/board.json`, written the moment the cell ends): test BLEU and chrF (greedy
+and beam search of `--num_beams`; uptraining cells greedy), greedy BLEU by source-length bucket, the test
+references' perplexity, the validation references' perplexity, training tokens/s and wall time, greedy decode
+tokens/s, and the cross-attention cache bytes per source token (measured on the cache `generate()` returns). A rerun
+skips finished cells, retries failed ones and refuses other defining options. board.md (tables, the claims with
+their verdicts) and the plots are rewritten after every cell; "A beats B" only where the seeds' ranges do not
+overlap.
+
+    python -m experiments translation [--seeds 0 1 2] [--budget 300000] [--hidden_size 128]
+
+This module runs the board (corpus, models, training, scoring through `hf_attn_zoo.evaluation.translation`, the loop
+over cells); cells.py holds its options and cells, claims.py the verdicts, report.py the tables and figures.
+"""
+
+import csv
+import math
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+from transformers.cache_utils import EncoderDecoderCache
+
+from experiments.common import Benchmark, Board, main
+from experiments.speed.scaling import cache_nbytes
+from experiments.translation.cells import Cell, TranslationSetup, bucket_names, bucket_of, plan
+from experiments.translation.report import board_figures, write_board
+from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
+from hf_attn_zoo.convert.pooling import seq2seq_mha_to_gqa
+from hf_attn_zoo.data import train_byte_level_bpe
+from hf_attn_zoo.errors import one_line
+from hf_attn_zoo.evaluation.attention_maps import cross_attention_map
+from hf_attn_zoo.evaluation.translation import (
+    generate_translations,
+    reference_perplexity,
+    set_generation_config,
+    translation_metric,
+)
+from hf_attn_zoo.models import SEQ2SEQ
+from hf_attn_zoo.models.compat_zoo import CACHE_KWARG
+from hf_attn_zoo.pairs import seq2seq_tokenizer
+
+BOOK = re.compile(r"^(.*) \d+:\d+$")  # "1 John 3:16" -> "1 John"
+MLP_MULTIPLE = 8
+MATCH_TOLERANCE = 0.01
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The corpus
+
+
+@dataclass
+class Corpus:
+    tokenizer: object
+    train: list[tuple[list[int], list[int]]]  # token ids of (source, target), both ending in EOS
+    dropped: int  # training pairs beyond --max_length
+    test: list[tuple[str, str]]  # the scored sample, (English, Spanish)
+    test_lengths: list[int]  # source tokens of each test pair
+    validation: list[tuple[str, str]]
+
+
+def read_books(data_dir: str) -> list[tuple[str, str, str]]:
+    """(book, English, Spanish) of every verse of `<data_dir>/pairs.tsv`."""
+    path = Path(data_dir) / "pairs.tsv"
+    if not path.is_file():
+        raise SystemExit(f"no {path}: link or build the Bible corpus there (docs/translation.md)")
+    verses = []
+    with path.open(encoding="utf-8", newline="") as handle:
+        for row in csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE):
+            match = BOOK.match(row["ref"])
+            if match is None:
+                raise SystemExit(f"{path}: reference {row['ref']!r} is not 'Book chapter:verse'")
+            verses.append((match.group(1), row["en"], row["es"]))
+    return verses
+
+
+def split_books(verses: list[tuple[str, str, str]], setup: TranslationSetup) -> dict[str, list[tuple[str, str]]]:
+    known = {book for book, _, _ in verses}
+    unknown = sorted(set(setup.validation_books + setup.test_books) - known)
+    if unknown:
+        raise SystemExit(f"books {unknown} are not in the corpus (it has {sorted(known)[:6]} ...)")
+    splits = {"train": [], "validation": [], "test": []}
+    for book, english, spanish in verses:
+        split = "test" if book in setup.test_books else "validation" if book in setup.validation_books else "train"
+        splits[split].append((english, spanish))
+    return splits
+
+
+def board_tokenizer(setup: TranslationSetup, train: list[tuple[str, str]]):
+    """The board's one BPE, trained on the training books' both sides once and kept in the output folder."""
+    folder = Path(setup.output_dir) / "tokenizer"
+    if not folder.is_dir():
+        texts = [text for pair in train for text in pair]
+        train_byte_level_bpe(texts, setup.vocab_size).save_pretrained(folder)
+    return seq2seq_tokenizer(AutoTokenizer.from_pretrained(folder))
+
+
+def load_corpus(setup: TranslationSetup) -> Corpus:
+    splits = split_books(read_books(setup.data_dir), setup)
+    tokenizer = board_tokenizer(setup, splits["train"])
+    encoded = []
+    for english, spanish in splits["train"]:
+        source, target = tokenizer(english)["input_ids"], tokenizer(spanish)["input_ids"]
+        if len(source) <= setup.max_length and len(target) <= setup.max_length:
+            encoded.append((source, target))
+
+    def sample(pairs: list[tuple[str, str]], count: int, seed: int) -> list[tuple[str, str]]:
+        fitting = [
+            pair
+            for pair in pairs
+            if max(len(tokenizer(pair[0])["input_ids"]), len(tokenizer(pair[1])["input_ids"])) <= setup.max_length
+        ]
+        return random.Random(seed).sample(fitting, min(count, len(fitting)))
+
+    test = sample(splits["test"], setup.test_pairs, 0)
+    return Corpus(
+        tokenizer=tokenizer,
+        train=encoded,
+        dropped=len(splits["train"]) - len(encoded),
+        test=test,
+        test_lengths=[len(tokenizer(english)["input_ids"]) for english, _ in test],
+        validation=sample(splits["validation"], setup.validation_pairs, 1),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Models and matched parameters
+
+
+def special_tokens(tokenizer) -> dict:
+    return {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "decoder_start_token_id": tokenizer.bos_token_id,
+    }
+
+
+def transformer_spec(setup: TranslationSetup, family: str, config: str, tokens: dict) -> tuple[str, dict]:
+    """(variant, config fields before the MLP is matched) of a Transformer cell."""
+    heads, layers = setup.num_attention_heads, setup.num_layers
+    fields = {
+        **tokens,
+        "hidden_size": setup.hidden_size,
+        "num_hidden_layers": layers,
+        "encoder_layers": layers,
+        "decoder_layers": layers,
+        "num_attention_heads": heads,
+        "max_position_embeddings": setup.max_length + 1,  # a target of max_length behind the start token
+        "tie_word_embeddings": True,
+    }
+    if family == "encoder":
+        variant = config
+        defaults = SEQ2SEQ[variant].config_class()
+        fields |= {name: value for name, value in setup.extra_fields().items() if hasattr(defaults, name)}
+        if getattr(defaults, "num_attention_heads", None) == 1:
+            # AFT mixes channel by channel and refuses heads: its config (and so its cross-attention) has one head
+            del fields["num_attention_heads"]
+        elif hasattr(defaults, "num_key_value_heads"):
+            fields["num_key_value_heads"] = heads  # multi-head projections, as the MHA cell's
+        return variant, fields
+    groups = {"gqa": setup.gqa_key_value_heads, "mqa": 1}.get(config)
+    if groups is not None:  # the paper's layout: decoder self- and cross-attention pooled, the encoder multi-head
+        return "gqa", fields | {
+            "num_key_value_heads": groups,
+            "cross_attention_num_key_value_heads": groups,
+            "encoder_num_key_value_heads": heads,
+        }
+    if config == "additive":
+        return "mha", fields | {"cross_attention": "additive"}
+    if config == "mha":
+        return "mha", fields
+    raise SystemExit(f"unknown Transformer cell {config!r}: use mha, gqa, mqa or additive")
+
+
+def parameter_count(variant: str, fields: dict) -> int:
+    """Parameters of a model of `fields`, counted on the meta device (nothing allocated; tied weights once)."""
+    with torch.device("meta"):
+        model = SEQ2SEQ[variant].build(None, **fields)
+    return sum(p.numel() for p in model.parameters())
+
+
+def rnn_fields(setup: TranslationSetup, attention: str, tokens: dict, state: int) -> dict:
+    return {
+        **tokens,
+        "hidden_size": setup.hidden_size,
+        "rnn_hidden_size": state,
+        "attention": attention,
+        "dropout": 0.0,  # as the Transformers: one recipe, no regularisation at this budget
+    }
+
+
+def match_rnn(setup: TranslationSetup, attention: str, tokens: dict, target: int) -> tuple[dict, int]:
+    """The RNN's fields with the state size whose parameter count is nearest `target` (bisection: the count grows
+    with it)."""
+    low, high = 1, 16 * setup.hidden_size
+    while high - low > 1:
+        middle = (low + high) // 2
+        if parameter_count("rnn", rnn_fields(setup, attention, tokens, middle)) < target:
+            low = middle
+        else:
+            high = middle
+    state = min(
+        (low, high), key=lambda n: abs(parameter_count("rnn", rnn_fields(setup, attention, tokens, n)) - target)
+    )
+    fields = rnn_fields(setup, attention, tokens, state)
+    return fields, parameter_count("rnn", fields)
+
+
+def match_mlp(variant: str, fields: dict, target: int) -> tuple[dict, int]:
+    """`fields` with the MLP width (a multiple of 8) whose parameter count is nearest `target` (linear in it)."""
+    start = SEQ2SEQ[variant].config(None, **fields).intermediate_size
+    at_start = parameter_count(variant, {**fields, "intermediate_size": start})
+    per_unit = (parameter_count(variant, {**fields, "intermediate_size": start + 64}) - at_start) / 64
+    width = max(MLP_MULTIPLE, round((start + (target - at_start) / per_unit) / MLP_MULTIPLE) * MLP_MULTIPLE)
+    matched = {**fields, "intermediate_size": width}
+    return matched, parameter_count(variant, matched)
+
+
+def cell_spec(setup: TranslationSetup, cell: Cell, tokens: dict) -> tuple[str, dict, int, int]:
+    """(variant, config fields, parameters, the MHA Transformer's parameters they match) of a cell; `ValueError`
+    where no width gets within 1%."""
+    reference_variant, reference = transformer_spec(setup, "transformer", "mha", tokens)
+    target = parameter_count(reference_variant, reference)
+    if cell.family == "rnn":
+        variant, (fields, count) = "rnn", match_rnn(setup, cell.config, tokens, target)
+    elif cell.family in ("parent", "uptrain"):
+        variant, fields, count = reference_variant, reference, target  # conversions keep the parent's MLP
+    else:
+        variant, fields = transformer_spec(setup, cell.family, cell.config, tokens)
+        fields, count = match_mlp(variant, fields, target)
+    if cell.family != "uptrain" and abs(count / target - 1) > MATCH_TOLERANCE:
+        raise ValueError(f"{cell.config}: {count:,} parameters, more than 1% from the MHA Transformer's {target:,}")
+    return variant, fields, count, target
+
+
+def build(variant: str, fields: dict, seed: int, tokenizer, max_length: int):
+    """The model of a cell, initialised from `seed`, with what `generate()` needs (the package's
+    `set_generation_config`: the tokenizer's special tokens, the start token, a translation of at most `max_length`
+    tokens behind it)."""
+    torch.manual_seed(seed)
+    model = SEQ2SEQ[variant].build(None, **fields)
+    set_generation_config(model, tokenizer, max_length=max_length + 1)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training and evaluation
+
+
+def batches(pairs: list[tuple[list[int], list[int]]], size: int, seed: int) -> Iterator[list]:
+    """Endless batches of `size` pairs: each epoch shuffled by `seed`, then sorted by length within chunks of 50
+    batches (little padding) and the batches shuffled again."""
+    epoch = 0
+    while True:
+        order = list(pairs)
+        rng = random.Random(seed * 1000 + epoch)
+        rng.shuffle(order)
+        chunk = 50 * size
+        epoch_batches = []
+        for start in range(0, len(order), chunk):
+            part = sorted(order[start : start + chunk], key=lambda pair: len(pair[0]) + len(pair[1]))
+            epoch_batches += [part[i : i + size] for i in range(0, len(part), size)]
+        rng.shuffle(epoch_batches)
+        yield from epoch_batches
+        epoch += 1
+
+
+def collate(pairs: list, pad: int) -> dict[str, torch.Tensor]:
+    """Sources padded on the right with `pad` (and their mask), labels with -100."""
+    width_source = max(len(source) for source, _ in pairs)
+    width_target = max(len(target) for _, target in pairs)
+    input_ids = torch.full((len(pairs), width_source), pad)  # (B, S)
+    labels = torch.full((len(pairs), width_target), -100)  # (B, T)
+    for row, (source, target) in enumerate(pairs):
+        input_ids[row, : len(source)] = torch.tensor(source)
+        labels[row, : len(target)] = torch.tensor(target)
+    mask = torch.zeros_like(input_ids)
+    for row, (source, _) in enumerate(pairs):
+        mask[row, : len(source)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def steps_for(tokens: float, corpus: Corpus, setup: TranslationSetup) -> int:
+    per_pair = statistics.fmean(len(s) + len(t) for s, t in corpus.train)
+    return max(1, round(tokens / (per_pair * setup.batch_size)))
+
+
+def train(model, corpus: Corpus, setup: TranslationSetup, steps: int, seed: int, learning_rate: float) -> dict:
+    """`steps` AdamW steps (warm-up, cosine decay, gradients clipped at 1); tokens, seconds and the losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = max(1, round(setup.warmup_fraction * steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    model.train()
+    stream = batches(corpus.train, setup.batch_size, seed)
+    pad = corpus.tokenizer.pad_token_id
+    tokens, losses = 0, []
+    start = time.perf_counter()
+    for _ in range(steps):
+        pairs = next(stream)
+        batch = {name: tensor.to(model.device) for name, tensor in collate(pairs, pad).items()}
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens += sum(len(s) + len(t) for s, t in pairs)
+        losses.append(loss.item())
+    seconds = time.perf_counter() - start
+    model.eval()
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {
+        "steps": steps,
+        "train_tokens": tokens,
+        "train_seconds": round(seconds, 2),
+        "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
+        "final_loss": round(statistics.fmean(tail), 4),
+    }
+
+
+def bleu_chrf(translations: list[str], references: list[str]) -> tuple[float, float]:
+    """Corpus BLEU and chrF (0-100) through the package's metric (sacrebleu underneath); 0 for no translations (an
+    empty length bucket)."""
+    if not translations:
+        return 0.0, 0.0
+    scores = translation_metric().compute(predictions=translations, references=references)
+    return round(scores["bleu"], 3), round(scores["chrf"], 3)
+
+
+def translate(model, tokenizer, sources: list[str], num_beams: int, max_new_tokens: int) -> tuple[list[str], int]:
+    """Translations (greedy or beam search) and the tokens generated, in batches of sources of similar length."""
+    size = 50 if num_beams == 1 else 25
+    out = generate_translations(model, tokenizer, sources, num_beams, max_new_tokens, batch_size=size, by_length=True)
+    return out.texts, out.generated_tokens
+
+
+def perplexity(model, tokenizer, pairs: list[tuple[str, str]]) -> float:
+    """The references' corpus perplexity given their sources, rounded as the board stores it."""
+    value, _ = reference_perplexity(model, tokenizer, [s for s, _ in pairs], [t for _, t in pairs], batch_size=50)
+    return round(value, 3)
+
+
+@torch.no_grad()
+def cross_cache_bytes(model, setup: TranslationSetup) -> float:
+    """Bytes per source token of what the decoder keeps of the source while it decodes, measured on the cache a
+    greedy `generate()` returns: a Transformer's cross-attention keys and values (`cross_attention_cache`); an RNN's
+    encoder outputs and projected keys where it attends (its cache's `memory` and `keys`), nothing without attention
+    (the decoder reads the bridged final state alone)."""
+    source_length, rows = setup.max_length, 2
+    config = model.config
+    source = torch.randint(3, config.vocab_size, (rows, source_length), generator=torch.Generator().manual_seed(2))
+    out = model.generate(
+        source.to(model.device),
+        max_new_tokens=2,
+        min_new_tokens=2,
+        do_sample=False,
+        num_beams=1,
+        return_dict_in_generate=True,
+    )
+    cache = getattr(out, CACHE_KWARG)
+    if isinstance(cache, EncoderDecoderCache):
+        return cache_nbytes(cache.cross_attention_cache) / (rows * source_length)
+    if config.attention == "none":
+        return 0.0
+    state = cache.layers[0].state  # the RNN cache's one state layer: memory (B, S, E), keys (B, S, A), ...
+    held = [state.get(name) for name in ("memory", "keys")]
+    return sum(t.numel() * t.element_size() for t in held if t is not None) / (rows * source_length)
+
+
+def alignment(model, tokenizer, corpus: Corpus, setup: TranslationSetup) -> list[dict]:
+    """The last decoder layer's cross-attention (mean over heads) of the shortest test verses of 8-20 source tokens,
+    as the model translates them greedily."""
+    candidates = sorted(
+        (length, english)
+        for english, length in zip((e for e, _ in corpus.test), corpus.test_lengths)
+        if 8 <= length <= 20
+    )
+    maps = []
+    for _, english in candidates[: setup.alignment_verses]:
+        sources, targets, weights = cross_attention_map(model, tokenizer, english, layer=-1)
+        maps.append(
+            {
+                "source": sources,
+                "target": targets,
+                "weights": [[round(w, 3) for w in row] for row in weights.mean(0).tolist()],  # (T, S)
+            }
+        )
+    return maps
+
+
+def evaluate(model, corpus: Corpus, setup: TranslationSetup, beams: bool) -> dict:
+    tokenizer = corpus.tokenizer
+    sources, references = [s for s, _ in corpus.test], [t for _, t in corpus.test]
+    start = time.perf_counter()
+    greedy, generated = translate(model, tokenizer, sources, 1, setup.max_length)
+    decode_seconds = time.perf_counter() - start
+    row = {"test_pairs": len(sources)}
+    row["bleu"], row["chrf"] = bleu_chrf(greedy, references)
+    row["decode_tokens_per_second"] = round(generated / max(decode_seconds, 1e-9), 1)
+    row["bleu_by_length"] = {}
+    for name in bucket_names(setup.buckets):
+        chosen = [i for i, length in enumerate(corpus.test_lengths) if bucket_of(length, setup.buckets) == name]
+        row["bleu_by_length"][name] = {
+            "pairs": len(chosen),
+            "bleu": bleu_chrf([greedy[i] for i in chosen], [references[i] for i in chosen])[0],
+        }
+    if beams:
+        beam, _ = translate(model, tokenizer, sources, setup.num_beams, setup.max_length)
+        row["bleu_beam"], row["chrf_beam"] = bleu_chrf(beam, references)
+    row["test_perplexity"] = perplexity(model, tokenizer, corpus.test)
+    row["validation_perplexity"] = perplexity(model, tokenizer, corpus.validation)
+    row["cache_bytes_per_source_token"] = cross_cache_bytes(model, setup)
+    row["examples"] = [{"source": sources[i], "reference": references[i], "greedy": greedy[i]} for i in range(2)]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cells
+
+
+def parent_folder(setup: TranslationSetup) -> Path:
+    return Path(setup.output_dir) / "parent"
+
+
+def parent_model(setup: TranslationSetup, corpus: Corpus):
+    """The trained MHA parent, as the parent cell saved it, on the CPU (conversions run there)."""
+    path = parent_folder(setup) / "model.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path}: the parent cell has not finished")
+    variant, fields, _, _ = cell_spec(setup, Cell("parent", "mha", setup.seeds[0]), special_tokens(corpus.tokenizer))
+    model = build(variant, fields, setup.seeds[0], corpus.tokenizer, setup.max_length)
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return model.eval()
+
+
+def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
+    began = time.perf_counter()
+    tokens = special_tokens(corpus.tokenizer)
+    variant, fields, count, target = cell_spec(setup, cell, tokens)
+    row = {
+        "cell": cell.name,
+        "family": cell.family,
+        "config": cell.config,
+        "seed": cell.seed,
+        "variant": variant,
+        "parameters": count,
+        "matched_to": target,
+        "train_pairs": len(corpus.train),
+        "dropped_pairs": corpus.dropped,
+    }
+    if cell.family == "rnn":
+        row["rnn_hidden_size"] = fields["rnn_hidden_size"]
+    else:
+        row["intermediate_size"] = fields.get("intermediate_size")
+    if cell.family == "uptrain":
+        target_kind, method, alpha = cell.config.split("-")
+        alpha = float(alpha)
+        parent = parent_model(setup, corpus)
+        groups = setup.gqa_key_value_heads if target_kind == "gqa" else 1
+        calibration = None
+        if method in CALIBRATION_METHODS:
+            calibration = [
+                (torch.tensor([s]), torch.tensor([t])) for s, t in corpus.train[: setup.calibration_pairs]
+            ]  # (1, S), (1, T) each
+        start = time.perf_counter()
+        model = seq2seq_mha_to_gqa(parent, groups, method, calibration=calibration).to(setup.device)
+        row["conversion_seconds"] = round(time.perf_counter() - start, 2)
+        row |= {"target": target_kind, "method": method, "alpha": alpha, "key_value_heads": groups}
+        row["parameters"] = sum(p.numel() for p in model.parameters())
+        parent_steps = steps_for(setup.parent_factor * setup.budget, corpus, setup)
+        if alpha > 0:
+            torch.manual_seed(cell.seed)
+            steps = max(1, round(alpha * parent_steps))
+            row |= train(model, corpus, setup, steps, cell.seed, setup.uptrain_learning_rate)
+        else:
+            row |= {"steps": 0, "train_tokens": 0, "train_seconds": 0.0, "tokens_per_second": 0.0}
+        row |= evaluate(model, corpus, setup, beams=False)
+    else:
+        model = build(variant, fields, cell.seed, corpus.tokenizer, setup.max_length).to(setup.device)
+        factor = setup.parent_factor if cell.family == "parent" else 1.0
+        steps = steps_for(factor * setup.budget, corpus, setup)
+        row |= train(model, corpus, setup, steps, cell.seed, setup.learning_rate)
+        row |= evaluate(model, corpus, setup, beams=True)
+        if cell.family == "parent":
+            parent_folder(setup).mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), parent_folder(setup) / "model.pt")
+        drawn = {("rnn", "bahdanau"), ("rnn", "luong"), ("transformer", "mha")}
+        if cell.seed == setup.seeds[0] and (cell.family, cell.config) in drawn:
+            row["alignment"] = alignment(model, corpus.tokenizer, corpus, setup)
+    row["cell_seconds"] = round(time.perf_counter() - began, 1)
+    return row
+
+
+def run_board(setup: TranslationSetup, log: Callable[[str], None] = print) -> list[dict]:
+    torch.set_num_threads(setup.threads)
+    board = Board(setup)
+    cells = plan(setup)
+    corpus = load_corpus(setup)
+    log(
+        f"{len(corpus.train):,} training pairs ({corpus.dropped:,} beyond {setup.max_length} tokens dropped), "
+        f"{len(corpus.test)} test and {len(corpus.validation)} validation verses scored"
+    )
+    tokens = special_tokens(corpus.tokenizer)
+    log(f"{'cell':28s} {'parameters':>12s} (against the MHA Transformer's)")
+    for cell in {(c.family, c.config): c for c in cells if c.family in ("rnn", "transformer", "encoder")}.values():
+        try:  # an unmatchable board is refused at once
+            _, _, count, target = cell_spec(setup, cell, tokens)
+        except ValueError as error:
+            raise SystemExit(one_line(error)) from None
+        log(f"{cell.family + '-' + cell.config:28s} {count:12,d} ({count / target - 1:+.2%})")
+    board.run(
+        cells,
+        run=lambda cell: run_cell(setup, cell, corpus),
+        keys=lambda cell: {"family": cell.family, "config": cell.config, "seed": cell.seed},
+        done=lambda row: f"BLEU {row['bleu']:.2f}, {row['cell_seconds'] / 60:.1f} min",
+        write=lambda rows: write_board(setup, rows, log=lambda _: None),
+        desc="translation board",
+        log=log,
+    )
+    write_board(setup, board.rows, log=log)
+    return board.rows
+
+
+BENCHMARKS = {"translation": Benchmark(TranslationSetup, run_board, figures=board_figures, results="board")}
+
+if __name__ == "__main__":
+    sys.exit(main(BENCHMARKS))
