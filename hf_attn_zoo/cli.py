@@ -186,7 +186,14 @@ def translate_eval_command(options: TranslateEvalOptions) -> dict:
         search = "greedy" if options.num_beams == 1 else f"beam search ({options.num_beams} beams)"
         print(f"{options.model} on {result['pairs']} pair(s), {search}:")
         print("| metric | value |\n| --- | ---: |")
-        for key in ("bleu", "chrf", "reference_perplexity", "reference_tokens"):
+        for key in (
+            "bleu",
+            "chrf",
+            "reference_perplexity",
+            "reference_tokens",
+            "decode_seconds",
+            "generated_tokens_per_second",
+        ):
             value = result[key]
             print(f"| {key} | {value:,.4f} |" if isinstance(value, float) else f"| {key} | {value:,} |")
         print(result["bleu_signature"])

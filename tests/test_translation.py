@@ -16,6 +16,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from hf_attn_zoo.data import DataArguments
 from hf_attn_zoo.errors import UserError
+from hf_attn_zoo.evaluation.translation import translation_budget
 from hf_attn_zoo.models import get_variant
 from hf_attn_zoo.pairs import default_pairs, read_pair_files, split_pairs, write_pairs
 from hf_attn_zoo.train import load_recipe, run_training
@@ -144,11 +145,13 @@ def test_translate_eval_scores_as_sacrebleu_on_the_same_generations(trained, tmp
     translations = written["translations"]
     assert scores["bleu"] == pytest.approx(sacrebleu.corpus_bleu(translations, [references]).score, abs=1e-9)
     assert scores["chrf"] == pytest.approx(sacrebleu.corpus_chrf(translations, [references]).score, abs=1e-9)
-    # the same generations, one source at a time (no padding): what the command scored
+    # the same generations, one source at a time (no padding): what the command scored, within the default budget
     model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
     sources = [json.loads(line)["source"] for line in pairs.read_text().splitlines()]
+    budget = translation_budget(model, max(len(ids) for ids in tokenizer(sources)["input_ids"]))
+    assert budget >= model.generation_config.max_length - 1
     for source, translation in list(zip(sources, translations))[:8]:
-        generated = model.generate(**tokenizer(source, return_tensors="pt"))
+        generated = model.generate(**tokenizer(source, return_tensors="pt"), max_new_tokens=budget)
         assert tokenizer.decode(generated[0], skip_special_tokens=True).strip() == translation
     # the references' perplexity: exp of the mean token NLL, by a plain loop over pairs
     total, count = 0.0, 0
@@ -159,8 +162,21 @@ def test_translate_eval_scores_as_sacrebleu_on_the_same_generations(trained, tmp
             total += torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="sum").item()
             count += labels.shape[1]
     assert scores["reference_perplexity"] == pytest.approx(float(torch.tensor(total / count).exp()), rel=1e-5)
+    # decoding's time and speed: the tokens generated are those of the translations scored
+    assert scores["decode_seconds"] > 0 and scores["generated_tokens"] >= len(translations)
+    assert scores["generated_tokens_per_second"] == pytest.approx(
+        scores["generated_tokens"] / scores["decode_seconds"], rel=0.01
+    )
     status, _, _ = run_cli(["translate-eval", final, "--data", pairs, "--num_beams", "3", "--json"], capsys)
     assert status == 0
+
+
+def test_the_default_translation_budget_outgrows_the_training_length(trained):
+    """A source longer than any the model trained on is not cut at the training targets' length."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(trained / "final")
+    trained_length = model.generation_config.max_length - 1
+    assert translation_budget(model, 4) == trained_length
+    assert translation_budget(model, 100) == 160 > trained_length
 
 
 def test_translate_prints_the_translations_of_texts_a_file_or_standard_input(trained, tmp_path, capsys, monkeypatch):
@@ -171,8 +187,9 @@ def test_translate_prints_the_translations_of_texts_a_file_or_standard_input(tra
     final = trained / "final"
     sources = ["I see the book.", "They do not have the key.", "She does not want the coffee."]
     model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
+    budget = translation_budget(model, max(len(ids) for ids in tokenizer(sources)["input_ids"]))
     expected = [
-        tokenizer.decode(model.generate(**tokenizer(s, return_tensors="pt"))[0], skip_special_tokens=True).strip()
+        tokenizer.decode(model.generate(**tokenizer(s, return_tensors="pt"), max_new_tokens=budget)[0], True).strip()
         for s in sources
     ]
     status, printed, _ = run_cli(["translate", final, *sources], capsys)

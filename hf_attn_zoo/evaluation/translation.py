@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -123,6 +124,14 @@ def generated_token_count(generated: torch.Tensor, eos_token_id: int | None) -> 
     return int(((ended == 0) | ((ended == 1) & is_eos)).sum())
 
 
+def translation_budget(model, source_tokens: int) -> int:
+    """New tokens a translation may take where the caller sets no limit: the checkpoint's generation length (its
+    training targets' longest), or one and a half times the longest source plus 10 where that is longer, so that a
+    source longer than any the model trained on is not cut at the training length (fairseq bounds translations the
+    same way, `a * source + b`)."""
+    return max(model.generation_config.max_length - 1, source_tokens + source_tokens // 2 + 10)
+
+
 @torch.no_grad()
 def generate_translations(
     model,
@@ -133,11 +142,15 @@ def generate_translations(
     batch_size: int = 16,
     by_length: bool = False,
 ) -> Translations:
-    """The model's translations of `sources` (greedy, or beam search with `num_beams`) and the tokens it generated.
-    `by_length`: batches of sources of similar length (sorted by characters), so that a batch pads less; the
-    translations come back in the sources' order either way."""
+    """The model's translations of `sources` (greedy, or beam search with `num_beams`) and the tokens it generated,
+    at most `max_new_tokens` each (default: `translation_budget` of the longest source). `by_length`: batches of
+    sources of similar length (sorted by characters), so that a batch pads less; the translations come back in the
+    sources' order either way."""
     order = sorted(range(len(sources)), key=lambda i: len(sources[i])) if by_length else list(range(len(sources)))
-    limit = {"max_new_tokens": max_new_tokens} if max_new_tokens else {}
+    if not max_new_tokens:
+        longest = max((len(ids) for ids in tokenizer(sources)["input_ids"]), default=0)
+        max_new_tokens = translation_budget(model, longest)
+    limit = {"max_new_tokens": max_new_tokens}
     texts, generated_tokens = [""] * len(sources), 0
     for start in range(0, len(order), batch_size):
         chosen = order[start : start + batch_size]
@@ -217,9 +230,11 @@ def score_translation(
     max_new_tokens: int | None = None,
     batch_size: int = 16,
 ) -> dict:
-    """BLEU, chrF (0-100, sacrebleu's corpus scores and signatures) of the model's translations and the references'
-    perplexity, with the translations themselves."""
-    translations = translate(model, tokenizer, sources, num_beams, max_new_tokens, batch_size)
+    """BLEU, chrF (0-100, sacrebleu's corpus scores and signatures) of the model's translations, the references'
+    perplexity, how long decoding took (seconds, generated tokens and tokens per second), and the translations."""
+    start = time.perf_counter()
+    translations, generated = generate_translations(model, tokenizer, sources, num_beams, max_new_tokens, batch_size)
+    seconds = time.perf_counter() - start
     scores = translation_metric().compute(predictions=translations, references=targets)
     perplexity, tokens = reference_perplexity(model, tokenizer, sources, targets, batch_size)
     return {
@@ -229,6 +244,9 @@ def score_translation(
         "reference_tokens": tokens,
         "pairs": len(sources),
         "num_beams": num_beams,
+        "decode_seconds": round(seconds, 3),
+        "generated_tokens": generated,
+        "generated_tokens_per_second": round(generated / max(seconds, 1e-9), 1),
         "bleu_signature": scores["bleu_signature"],
         "chrf_signature": scores["chrf_signature"],
         "translations": translations,

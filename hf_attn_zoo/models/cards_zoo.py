@@ -85,8 +85,7 @@ def model_card(
         "",
         f"# {repo_id or config.model_type}",
         "",
-        f"A `{config.variant_name}` model from the `hf_attn_zoo` package: "
-        f"{config.description}.",
+        f"A `{config.variant_name}` model from the `hf_attn_zoo` package: {config.description}.",
         f"Paper: {config.paper}{f' ({links})' if links else ''}.",
         "",
         "| field | value |",

@@ -24,7 +24,7 @@ from transformers import DataCollatorForSeq2Seq, Trainer
 
 from ..data import DataArguments, prepare_data
 from ..errors import UserError
-from ..evaluation.translation import labelled_nll, set_generation_config
+from ..evaluation.translation import labelled_nll, set_generation_config, translation_metric
 from ..models import get_variant
 from ..pairs import build_pair_tokenizer, split_pairs, tokenize_pairs, write_pairs
 from .build import (
@@ -253,11 +253,7 @@ class TranslationTask(Task):
 def translation_metrics(tokenizer):
     """`compute_metrics` for `predict_with_generate`: corpus BLEU and chrF of the generations against the labels,
     through the shipped `evaluate` module (`hf_attn_zoo.evaluation.TRANSLATION`)."""
-    import evaluate
-
-    from ..evaluation import TRANSLATION
-
-    metric = evaluate.load(TRANSLATION)
+    metric = translation_metric()
     pad = tokenizer.pad_token_id
 
     def compute(prediction) -> dict[str, float]:
