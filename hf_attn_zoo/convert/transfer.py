@@ -225,7 +225,8 @@ def copied_conversion(parent: ZooForCausalLM, variant, fields: dict, takes: tupl
 class LayerTransfer:
     """One layer's attention transfer: the mean squared error against the parent's attention output over the
     calibration batches before and after training, each also relative to the mean square of the parent's output
-    (0: reproduced exactly, 1: no better than zeros)."""
+    (0: reproduced exactly, 1: no better than zeros). A layer whose loss training did not lower keeps its initial
+    weights (`kept_initial`), so the transfer never leaves a layer further from its parent on the calibration text."""
 
     layer: int
     loss_before: float
@@ -234,6 +235,7 @@ class LayerTransfer:
     relative_after: float
     steps: int
     seconds: float
+    kept_initial: bool = False  # training did not lower the loss, so the layer keeps its initial weights
 
 
 class StopAtFirstLayer(Exception):
@@ -356,6 +358,7 @@ def transfer_layer(
         return loss / len(hidden), loss / max(power, 1e-30)
 
     before, relative_before = measure()
+    initial = {name: tensor.clone() for name, tensor in attention.state_dict().items()}
     parameters = [parameter for parameter in attention.parameters() if parameter.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=learning_rate)
     steps = 0
@@ -372,8 +375,12 @@ def transfer_layer(
                 progress(1)
     optimizer.zero_grad(set_to_none=True)
     after, relative_after = measure()
+    kept = after >= before  # training overshot (a learning rate too high for a layer that started close)
+    if kept:
+        attention.load_state_dict(initial)
+        after, relative_after = before, relative_before
     seconds = time.perf_counter() - start
-    return LayerTransfer(index, before, after, relative_before, relative_after, steps, seconds)
+    return LayerTransfer(index, before, after, relative_before, relative_after, steps, seconds, kept)
 
 
 def transfer_batches(
