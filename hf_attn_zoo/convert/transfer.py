@@ -147,10 +147,11 @@ def convert_attention(
     variant = get_variant(to)
     calibrated = {"calibration": calibration, "tokenizer": tokenizer, "max_calibration_tokens": max_calibration_tokens}
     if in_mha_family(variant.name):
-        heads = {"mha": config.num_attention_heads, "mqa": 1, "single_head": 1}.get(variant.name)
-        groups = fields.pop("num_key_value_heads", heads)
-        if groups is None:
-            raise ValueError(f"to={to!r} needs num_key_value_heads (a divisor of {config.num_key_value_heads}).")
+        if variant.name == "gqa" and "num_key_value_heads" not in fields:
+            raise ValueError(f"to='gqa' needs num_key_value_heads (a divisor of {config.num_key_value_heads}).")
+        # mha and mqa: the count their config class fixes at the parent's query heads
+        shape = {name: getattr(config, name) for name in ("hidden_size", "num_attention_heads", "head_dim")}
+        groups = fields.pop("num_key_value_heads", None) or variant.config(**shape).num_key_value_heads
         if fields:
             raise ValueError(f"{sorted(fields)}: {to} keeps every other field of the parent; set num_key_value_heads.")
         if isinstance(groups, int) and groups > config.num_key_value_heads and method is None and calibration is None:
@@ -174,7 +175,9 @@ def convert_attention(
         model = to_mla(parent, rank, rope, method or "rorope", **calibrated)
         names = tuple(name for name, _ in model.model.layers[0].self_attn.named_parameters())
         how = f"a latent of {rank} and a shared RoPE key of {model.config.qk_rope_head_dim} ({method or 'rorope'})"
-        return Conversion(model, names, (), how, {"kv_lora_rank": rank, "qk_rope_head_dim": rope})
+        return Conversion(
+            model, names, (), how, {"kv_lora_rank": rank, "qk_rope_head_dim": model.config.qk_rope_head_dim}
+        )
     if method is not None or calibration is not None:
         raise ValueError(
             f"method and calibration choose how {METHODS} pool heads or {MLA_METHODS} fit a latent; {to} copies "
