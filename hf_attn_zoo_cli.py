@@ -10,6 +10,8 @@
     hf-attn-zoo attention CHECKPOINT TEXT --out map.png [--layer L] [--head H]   one head's attention heatmap (a
                                           translator: its cross-attention over the source, per head)
     hf-attn-zoo convert SRC OUT --to gqa|mqa [--num_key_value_heads G] [--method mean]   pool key/value heads
+    hf-attn-zoo convert SRC OUT --to VARIANT --transfer --tokens N --data FILE...   any variant, each attention
+                                          layer trained to reproduce the original's
     hf-attn-zoo export CKPT --to native|llama|qwen2|mistral|deepseek_v3|gguf OUT [--dtype q8_0]   the native
                                           transformers model (no remote code) or a GGUF file for llama.cpp
     hf-attn-zoo import CKPT OUT           a Llama, Mistral, Qwen2 or dense DeepSeek checkpoint as its zoo variant
@@ -193,8 +195,25 @@ class AttentionOptions:
 class ConvertOptions:
     src: str = positional("checkpoint folder or Hub name; with --gguf_file, the folder holding the file")
     out: Path = positional("output folder (model, tokenizer, model card)")
-    to: Literal["gqa", "mqa", "mla"] = field(
-        metadata={"help": "mqa: one key/value head; mla: a latent and a shared RoPE key per token (DeepSeek-V2)"}
+    to: Literal[
+        "mha",
+        "gqa",
+        "mqa",
+        "mla",
+        "sliding_window",
+        "linformer",
+        "aft_full",
+        "aft_local",
+        "aft_simple",
+        "topk",
+        "additive",
+        "differential",
+    ] = field(
+        metadata={
+            "help": "gqa/mqa: key/value heads pooled; mla: a latent and a shared RoPE key per token (DeepSeek-V2); "
+            "any other variant: the parent's projections copied where they mean the same (see --config), the rest "
+            "fresh: follow with --transfer"
+        }
     )
     num_key_value_heads: int | None = field(default=None, metadata={"help": "G for --to gqa"})
     method: Literal["mean", "first", "random", "aligned", "grouped", "grouped_aligned", "rorope"] | None = field(
@@ -218,6 +237,36 @@ class ConvertOptions:
     )
     calibration_tokens: int = field(default=4096, metadata={"help": "read at most this many calibration tokens"})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside SRC"})
+    config: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSON mapping of the target's config fields, e.g. '{\"sliding_window\": 64}' (linformer_k, "
+            "topk, additive_dim ...); the backbone stays the parent's"
+        },
+    )
+    transfer: bool = field(
+        default=False,
+        metadata={
+            "help": "attention transfer: train each converted attention layer to reproduce the parent's attention "
+            "output on --data, one layer at a time (LoLCATs)"
+        },
+    )
+    data: list[str] | None = field(
+        default=None, metadata={"help": "text files, directories or globs --transfer learns from (not your test text)"}
+    )
+    tokens: int = field(default=60_000, metadata={"help": "read at most this many tokens of --data"})
+    block_size: int = field(default=256, metadata={"help": "tokens per calibration row"})
+    transfer_batch_size: int = field(default=1, metadata={"help": "rows per transfer step"})
+    transfer_epochs: int = field(default=1, metadata={"help": "passes over the tokens per layer"})
+    transfer_learning_rate: float = field(default=1e-3, metadata={"help": "Adam's learning rate for each layer"})
+    eval_data: list[str] | None = field(
+        default=None,
+        metadata={"help": "held-out text: the summary scores the parent and the converted model before/after on it"},
+    )
+    eval_max_chars: int | None = field(default=None, metadata={"help": "score only the first N characters of each"})
+    eval_max_length: int | None = field(
+        default=None, metadata={"help": "tokens per scoring window (default: the model's max_position_embeddings)"}
+    )
 
 
 @dataclass
@@ -323,7 +372,8 @@ COMMANDS = {
         AttentionOptions,
     ),
     "convert": Command(
-        "pool the key/value heads of an MHA-family checkpoint (zoo, Llama, Mistral, Qwen2 or GGUF) into G",
+        "convert an MHA-family checkpoint (zoo, Llama, Mistral, Qwen2 or GGUF) to another attention variant (pooled "
+        "key/value heads, MLA, any zoo variant), with attention transfer from the original",
         "hf_attn_zoo.cli:convert_command",
         ConvertOptions,
     ),

@@ -243,17 +243,25 @@ def attention_command(options: AttentionOptions) -> None:
 
 
 def convert_command(options: ConvertOptions) -> Path:
+    """Convert SRC to `--to` (pooled heads, a latent, or any variant from the parent's projections), optionally with
+    attention transfer on `--data`; with `--eval_data`, a summary of held-out perplexity: the parent, the converted
+    model before transfer and after. Every refusal comes before anything is written."""
     from .checkpoints import save_checkpoint
-    from .convert import METHODS, mha_to_gqa, to_mla
+    from .convert import METHODS
     from .convert.calibrated import CALIBRATION_METHODS
     from .convert.latent import MLA_METHODS
     from .data import expand_files
     from .loading import check_model_folder, load_model_and_tokenizer
 
-    latent = options.to == "mla"
+    latent, pooled = options.to == "mla", options.to in ("mha", "gqa", "mqa")
+    if options.method is not None and not (latent or pooled):
+        raise UserError(
+            f"--method chooses how gqa/mqa pool heads or mla fits a latent; --to {options.to} copies the parent's "
+            f"projections: leave --method out."
+        )
     method = options.method or ("rorope" if latent else "mean")
     methods = MLA_METHODS if latent else METHODS
-    if method not in methods:
+    if (latent or pooled) and method not in methods:
         raise UserError(f"--method {method} does not apply to --to {options.to}; use one of {' '.join(methods)}.")
     if options.to == "gqa" and options.num_key_value_heads is None:
         raise UserError("--to gqa needs --num_key_value_heads G (a divisor of the source's attention heads)")
@@ -261,7 +269,7 @@ def convert_command(options: ConvertOptions) -> Path:
         raise UserError("--to mla needs --kv_lora_rank R: the latent's width (the cache keeps R + qk_rope_head_dim)")
     if not latent and (options.kv_lora_rank is not None or options.qk_rope_head_dim is not None):
         raise UserError("--kv_lora_rank and --qk_rope_head_dim size an MLA conversion: use them with --to mla.")
-    groups = 1 if options.to == "mqa" else options.num_key_value_heads
+    fields = target_config(options)
     calibration, files = None, []
     if method in CALIBRATION_METHODS and not options.calibration:
         raise UserError(
@@ -273,6 +281,10 @@ def convert_command(options: ConvertOptions) -> Path:
     if options.calibration:
         files = expand_files(options.calibration, "--calibration")
         calibration = [path.read_text(encoding="utf-8", errors="replace") for path in files]
+    transfer_texts = transfer_data(options)
+    held_out = []
+    if options.eval_data:
+        held_out = read_texts(expand_files(options.eval_data, "--eval_data"), options.eval_max_chars, "--eval_data")
     if options.gguf_file:  # a plain checkpoint of the GGUF file, which the Trainer and save_pretrained can use
         check_model_folder(options.src, gguf_file=options.gguf_file)
         model, tokenizer = load_model_and_tokenizer(str(Path(options.src).expanduser() / options.gguf_file))
@@ -280,23 +292,8 @@ def convert_command(options: ConvertOptions) -> Path:
         model, tokenizer = load_model_and_tokenizer(options.src)
     before = model.config.num_key_value_heads
     start = time.perf_counter()
-    try:
-        if latent:
-            converted = to_mla(
-                model,
-                options.kv_lora_rank,
-                options.qk_rope_head_dim,
-                method,
-                calibration,
-                tokenizer,
-                max_calibration_tokens=options.calibration_tokens,
-            )
-        else:
-            converted = mha_to_gqa(
-                model, groups, method, calibration, tokenizer, max_calibration_tokens=options.calibration_tokens
-            )
-    except ValueError as error:  # the source, the sizes or the calibration cannot be used: named by the conversion
-        raise UserError(f"{options.src}: {error}") from error
+    conversion = convert_model(options, model, tokenizer, method, calibration, fields)
+    converted = conversion.model
     seconds = time.perf_counter() - start
     gguf = f" / {options.gguf_file}" if options.gguf_file else ""
     details = {"converted from": f"{options.src}{gguf} ({model.config.model_type})"}
@@ -306,15 +303,160 @@ def convert_command(options: ConvertOptions) -> Path:
             f"{before} key/value heads -> a latent of {new.kv_lora_rank} and a shared RoPE key of "
             f"{new.qk_rope_head_dim} ({method}; TransMLA / MHA2MLA)"
         )
+    elif pooled:
+        details["key/value heads"] = (
+            f"{before} -> {converted.config.num_key_value_heads}, {method}-pooled (Ainslie et al. 2023)"
+        )
     else:
-        details["key/value heads"] = f"{before} -> {groups}, {method}-pooled (Ainslie et al. 2023)"
+        details["attention"] = f"{options.to} {conversion.fields or ''}: {conversion.how} from the parent's attention"
     if files:
         names = ", ".join(path.name for path in files)
         details["calibration"] = f"{names} (at most {options.calibration_tokens} tokens)"
-    out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details)
-    what = "a latent attention" if latent else f"{groups} key/value heads"
-    print(f"{converted.config.model_type} with {what} ({method}, {seconds:.1f} s) written to {out}")
+    summary = {"to": options.to, "conversion_seconds": seconds, "copied": conversion.copied, "fresh": conversion.fresh}
+    scores = {}
+    if held_out:
+        scores["parent"] = held_out_perplexity(model, tokenizer, held_out, options)
+        scores["converted"] = held_out_perplexity(converted, tokenizer, held_out, options)
+    if options.transfer:
+        summary["transfer"] = run_transfer(options, model, converted, tokenizer, transfer_texts)
+        names = ", ".join(path.name for path in options_data_files(options))
+        details["attention transfer"] = (
+            f"{summary['transfer']['tokens']:,} tokens of {names}, {options.transfer_epochs} epoch(s) per layer, Adam "
+            f"at {options.transfer_learning_rate} (each layer trained to reproduce the parent's attention output)"
+        )
+        if held_out:
+            scores["transferred"] = held_out_perplexity(converted, tokenizer, held_out, options)
+    if scores:
+        summary["held_out_perplexity"] = scores
+    out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details, summary=summary)
+    print_convert_summary(options, converted, conversion, seconds, summary, out)
     return out
+
+
+def target_config(options: ConvertOptions) -> dict:
+    """The `--config` JSON mapping of target fields (with `--num_key_value_heads`, `--kv_lora_rank` and
+    `--qk_rope_head_dim` where given), or a one-line refusal."""
+    fields = {}
+    if options.config:
+        try:
+            fields = json.loads(options.config)
+        except ValueError as error:
+            raise UserError(f"--config {options.config!r} is not JSON ({error}); give a mapping of fields.") from error
+        if not isinstance(fields, dict):
+            raise UserError(
+                f"--config {options.config!r}: give a JSON mapping of config fields, e.g. '{{\"topk\": 8}}'"
+            )
+    for name in ("num_key_value_heads", "kv_lora_rank", "qk_rope_head_dim"):
+        if getattr(options, name) is not None:
+            fields[name] = getattr(options, name)
+    if options.to == "mqa":
+        fields.setdefault("num_key_value_heads", 1)
+    return fields
+
+
+def options_data_files(options: ConvertOptions) -> list[Path]:
+    from .data import expand_files
+
+    return expand_files(options.data, "--data") if options.data else []
+
+
+def read_texts(files: list[Path], max_chars: int | None, option: str) -> list[str]:
+    """The texts of `files` (the first `max_chars` characters of each); an empty one is refused naming it."""
+    texts = []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")[:max_chars]
+        if not text.strip():
+            raise UserError(f"{option}: {path} is empty; give files with text in them (or leave it out).")
+        texts.append(text)
+    return texts
+
+
+def transfer_data(options: ConvertOptions) -> list[str]:
+    """The `--data` texts for `--transfer`, refused in one line when absent, empty, or given without `--transfer`."""
+    if options.data and not options.transfer:
+        raise UserError("--data is the text --transfer learns from: add --transfer, or leave --data out.")
+    if not options.transfer:
+        return []
+    if not options.data:
+        raise UserError("--transfer needs --data FILE...: text to reproduce the original's attention on.")
+    for name in ("tokens", "block_size", "transfer_batch_size", "transfer_epochs"):
+        if getattr(options, name) < 1:
+            raise UserError(f"--{name} {getattr(options, name)} must be a positive number.")
+    if not options.transfer_learning_rate > 0:
+        raise UserError(f"--transfer_learning_rate {options.transfer_learning_rate} must be positive.")
+    return read_texts(options_data_files(options), None, "--data")
+
+
+def convert_model(options: ConvertOptions, model, tokenizer, method: str, calibration, fields: dict):
+    """`convert_attention` of the loaded parent, its refusals as one line naming SRC."""
+    from .convert.transfer import convert_attention
+
+    pooling = {"method": method} if options.to in ("mha", "gqa", "mqa", "mla") else {}
+    if calibration is not None:
+        pooling.update(calibration=calibration, tokenizer=tokenizer, max_calibration_tokens=options.calibration_tokens)
+    try:
+        return convert_attention(model, options.to, **pooling, **fields)
+    except ValueError as error:  # the source, the sizes or the calibration cannot be used: named by the conversion
+        raise UserError(f"{options.src}: {error}") from error
+
+
+def held_out_perplexity(model, tokenizer, texts: list[str], options: ConvertOptions) -> float:
+    from .evaluation.perplexity import score_texts
+
+    return score_texts(model, tokenizer, texts, options.eval_max_length, batch_size=4).perplexity
+
+
+def run_transfer(options: ConvertOptions, parent, converted, tokenizer, texts: list[str]) -> dict:
+    """Attention transfer of `converted` from `parent` on `texts` (`--tokens` of them in `--block_size` rows), with
+    a progress bar; what it did, per layer and in all."""
+    from tqdm.auto import tqdm
+
+    from .convert.transfer import attention_transfer, transfer_batches, transfer_steps
+
+    block = min(options.block_size, converted.config.max_position_embeddings)
+    batches = transfer_batches(texts, tokenizer, block, options.tokens, options.transfer_batch_size)
+    tokens = sum(batch.numel() for batch in batches)
+    if tokens < 2 * block:
+        raise UserError(
+            f"--data holds {tokens} tokens in rows of {block}: too little to learn from; give more text (at least "
+            f"{2 * block} tokens) or a smaller --block_size."
+        )
+    layers = converted.config.num_hidden_layers
+    start = time.perf_counter()
+    with tqdm(total=transfer_steps(batches, layers, options.transfer_epochs), desc="attention transfer") as bar:
+        results = attention_transfer(
+            parent,
+            converted,
+            batches,
+            epochs=options.transfer_epochs,
+            learning_rate=options.transfer_learning_rate,
+            progress=bar.update,
+        )
+    return {
+        "tokens": tokens,
+        "seconds": time.perf_counter() - start,
+        "layers": [dataclasses.asdict(result) for result in results],
+    }
+
+
+def print_convert_summary(options: ConvertOptions, converted, conversion, seconds: float, summary: dict, out) -> None:
+    print(f"{converted.config.model_type} ({conversion.how}; {seconds:.1f} s) written to {out}")
+    if "transfer" in summary:
+        transfer = summary["transfer"]
+        layers = transfer["layers"]
+        before = sum(layer["relative_before"] for layer in layers) / len(layers)
+        after = sum(layer["relative_after"] for layer in layers) / len(layers)
+        print(
+            f"attention transfer: {transfer['tokens']:,} tokens x {len(layers)} layers in "
+            f"{transfer['seconds']:.0f} s; attention output error relative to the parent's, mean over layers: "
+            f"{before:.4f} -> {after:.4f}"
+        )
+    scores = summary.get("held_out_perplexity")
+    if scores:
+        print("| held-out perplexity | value |\n| --- | ---: |")
+        names = {"parent": f"parent ({options.src})", "converted": "converted", "transferred": "after transfer"}
+        for key, value in scores.items():
+            print(f"| {names[key]} | {value:,.2f} |")
 
 
 # export, import

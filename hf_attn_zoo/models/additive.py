@@ -51,6 +51,8 @@ class ZooAdditiveAttention(ZooMultiHeadAttention):
     """Queries and keys projected to `additive_dim` per head; `score_vector` (H, additive_dim) reads the tanh out."""
 
     family = "additive"
+    # values and output as the parent's; q_proj and k_proj feed a tanh layer of additive_dim, not a dot product: fresh
+    parent_weights = ("v_proj", "o_proj")
     native_format = None  # no transformers architecture computes it
     gguf_architecture = None
     backends = ("eager",)  # its own kernel

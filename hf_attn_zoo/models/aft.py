@@ -138,6 +138,10 @@ class ZooAFTAttention(ZooAttention):
     }
 
     family = "aft"
+    # values (the parent's key/value heads repeated to every query head's channels) and output; q_proj is a gate
+    # and k_proj per-channel weights, not dot-product queries and keys: fresh
+    parent_weights = ("v_proj", "o_proj")
+    parent_head_fields = ()  # no heads: channel by channel
     cache_layer = ZooStateLayer  # running sums (and, for AFT-local/full, the keys still within reach)
     mask_type = "tokens"
     reads_positions = True  # the pairwise bias w is indexed by true positions

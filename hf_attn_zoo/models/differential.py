@@ -90,6 +90,9 @@ class ZooDifferentialAttention(ZooMultiHeadAttention):
     as its value."""
 
     family = "differential"
+    # values and output as the parent's; a head's two query/key maps of head_dim / 2 (RoPE on each) match no part
+    # of the parent's one map: fresh, as are λ and the head norm
+    parent_weights = ("v_proj", "o_proj")
     native_format = None  # no transformers architecture computes it
     gguf_architecture = None
     backends = ("eager", "sdpa")

@@ -163,6 +163,13 @@ class ZooAttention(ZooModule):
     # subclass states its own: each variant computes another function than its parent class.
     native_format: ClassVar[str | None] = None
     gguf_architecture: ClassVar[str | None] = None
+    # Conversion from an MHA-family parent (`hf_attn_zoo.convert.transfer.convert_attention`): the projections that
+    # mean here what they mean in the parent's attention, taken from it where the shapes allow (key/value rows
+    # repeated or mean-pooled to this config's key/value heads); every other parameter starts fresh. None: the
+    # variant is computed from the parent as a whole by a conversion of its own (MHA family: pooling, MLA: a latent).
+    parent_weights: ClassVar[tuple[str, ...] | None] = ()
+    # The parent's head fields a converted model keeps (a variant without heads keeps none)
+    parent_head_fields: ClassVar[tuple[str, ...]] = ("num_attention_heads", "num_key_value_heads", "head_dim")
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

@@ -114,6 +114,8 @@ class ZooLinformerAttention(ZooMultiHeadAttention):
     """GQA projections (and RoPE); keys and values compressed into `linformer_k` slots."""
 
     family = "linformer"
+    # the parent's projections; the sequence projections E and F are new, fresh
+    parent_weights = ("q_proj", "k_proj", "v_proj", "o_proj")
     native_format = None  # no transformers architecture computes it
     gguf_architecture = None
     backends = ("eager",)  # its own kernel

@@ -46,6 +46,8 @@ class ZooMultiHeadAttention(ZooAttention):
     """
 
     family = "mha"
+    # pooled from the parent by `mha_to_gqa` (Ainslie et al. 2023); subclasses with the same projections copy them
+    parent_weights: ClassVar[tuple[str, ...] | None] = None
     native_format = "llama"  # Qwen2 too where the output projection has no bias
     gguf_architecture = "llama"
     backends = BACKENDS

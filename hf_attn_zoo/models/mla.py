@@ -172,6 +172,7 @@ class ZooMultiHeadLatentAttention(ZooAttention):
     `(B, 1, S, rope)`; `attend_expanded` or `attend_absorbed` (module docstring) turns them into `(B, T, H, v)`."""
 
     family = "mla"
+    parent_weights = None  # computed from the parent's q/k/v/o by `to_mla` (TransMLA / MHA2MLA)
     native_format = "deepseek_v3"  # all-dense DeepSeek-V3 with rope_interleave=False (hf_attn_zoo.convert.deepseek)
     gguf_architecture = "deepseek2"  # llama.cpp's MLA, every layer dense
     backends = ("eager", "sdpa")  # flash attention would take the padded values too; nothing here tests it

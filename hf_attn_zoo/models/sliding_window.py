@@ -53,6 +53,7 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
     """GQA projections and cache; the mask (or the banded kernel) limits each query to the last w keys."""
 
     family = "sliding_window"
+    parent_weights = ("q_proj", "k_proj", "v_proj", "o_proj")  # the parent's attention, seen through a window
     native_format = "mistral"  # the same mask builder over the same `sliding_window`
     gguf_architecture = "granite_swa"  # Llama's layout with a window; llama.cpp's `llama` ignores the window
     dense_mask_function = staticmethod(create_sliding_window_causal_mask)

@@ -45,6 +45,7 @@ class ZooTopKAttention(ZooMultiHeadAttention):
     """GQA projections and cache; the kernel keeps the `topk` best scores of each query."""
 
     family = "topk"
+    parent_weights = ("q_proj", "k_proj", "v_proj", "o_proj")  # the parent's scores, the k largest kept
     native_format = None  # no transformers architecture computes it
     gguf_architecture = None
     backends = ("eager",)  # its own kernel

@@ -1,0 +1,217 @@
+"""Conversion to any variant and attention transfer: exact where the converted layer is the parent's own, the loss
+falling on a tiny model for every target, what each variant takes from the parent, refusals, and the command."""
+
+import json
+
+import pytest
+import torch
+from test_cli import one_line_error, saved_model
+from transformers import AutoModelForCausalLM
+
+from hf_attn_zoo.convert.transfer import attention_transfer, convert_attention, transfer_batches
+from hf_attn_zoo.models import get_variant
+from hf_attn_zoo_cli import main
+
+from conftest import VOCAB_SIZE, tiny_model
+
+# every conversion target with trainable attention, the fields it needs on the tiny parent
+TARGETS = {
+    "gqa": dict(num_key_value_heads=2),
+    "mqa": {},
+    "mla": dict(kv_lora_rank=8),
+    "sliding_window": dict(sliding_window=4),
+    "linformer": dict(linformer_k=4),
+    "aft_simple": {},
+    "aft_full": {},
+    "aft_local": dict(aft_window=4),
+    "topk": dict(topk=3),
+    "additive": dict(additive_dim=8),
+    "differential": {},
+}
+
+
+def calibration(seed: int = 0, rows: int = 6, length: int = 16) -> list[torch.LongTensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB_SIZE, (2, length), generator=generator) for _ in range(rows)]
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("parent_name", "target"), [("mha", "mha"), ("gqa", "gqa"), ("gqa", "mha")])
+def test_the_parents_own_layer_has_zero_loss_and_stays_as_it_is(parent_name, target):
+    """G = H (and GQA -> MHA, whose heads are the parent's repeated): the converted layer computes what the
+    parent's does, bit for bit on the same kernel, so the loss is zero before and after and nothing moves."""
+    parent = tiny_model(parent_name)
+    fields = {"num_key_value_heads": parent.config.num_key_value_heads} if target == "gqa" else {}
+    student = convert_attention(parent, target, **fields).model
+    before = state(student)
+    results = attention_transfer(parent, student, calibration(), learning_rate=1e-2)
+    assert [result.loss_before for result in results] == [0.0, 0.0] or target != parent_name
+    assert all(result.loss_after <= 1e-12 for result in results)
+    if target == parent_name:
+        assert all(result.loss_before == 0.0 and result.loss_after == 0.0 for result in results)
+        assert all(torch.equal(tensor, student.state_dict()[name]) for name, tensor in before.items())
+
+
+def test_the_loss_falls_and_the_model_moves_toward_its_parent():
+    """MQA pooled from GQA: each layer's error falls, and the whole model's next-token distributions come closer to
+    the parent's on text it was not trained on."""
+    parent = tiny_model("gqa")
+    student = convert_attention(parent, "mqa").model
+    held_out = torch.randint(3, VOCAB_SIZE, (2, 24), generator=torch.Generator().manual_seed(9))
+
+    def divergence() -> float:
+        with torch.no_grad():
+            teacher = parent(input_ids=held_out).logits.log_softmax(-1)
+            learner = student(input_ids=held_out).logits.log_softmax(-1)
+        return torch.nn.functional.kl_div(learner, teacher, log_target=True, reduction="batchmean").item()
+
+    start = divergence()
+    results = attention_transfer(parent, student, calibration(rows=12), epochs=3, learning_rate=1e-2)
+    assert all(result.loss_after < 0.7 * result.loss_before for result in results)
+    assert all(result.steps == 36 for result in results)
+    assert divergence() < start
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_target_converts_and_transfers(target):
+    parent = tiny_model("mha")  # 4 heads of width 8, each its own key/value head
+    parent_before = state(parent)
+    conversion = convert_attention(parent, target, **TARGETS[target])
+    student = conversion.model
+    assert student.config.model_type == get_variant(target).model_type
+    declared = get_variant(target).attention_class.parent_weights
+    if declared is not None:  # copied where declared (and the shapes allow), fresh elsewhere
+        assert {name.split(".")[0] for name in conversion.copied} <= set(declared)
+        assert not {name.split(".")[0] for name in conversion.fresh} & set(declared) - {"q_proj", "k_proj"}
+        for name in conversion.copied:
+            copied = student.state_dict()[f"model.layers.0.self_attn.{name}"]
+            original = parent.state_dict()[f"model.layers.0.self_attn.{name}"]
+            assert copied.shape != original.shape or torch.equal(copied, original)
+    before = state(student)
+    results = attention_transfer(parent, student, calibration(), epochs=2, learning_rate=3e-3)
+    assert [result.layer for result in results] == [0, 1]
+    assert all(result.loss_after < result.loss_before for result in results)
+    after = student.state_dict()
+    changed = {name for name, tensor in before.items() if not torch.equal(tensor, after[name])}
+    assert changed and all(".self_attn." in name for name in changed)  # only attention parameters train
+    assert all(torch.equal(tensor, parent.state_dict()[name]) for name, tensor in parent_before.items())
+    logits = student(input_ids=calibration()[0]).logits
+    assert logits.shape == (2, 16, VOCAB_SIZE) and torch.isfinite(logits).all()
+
+
+def test_what_each_variant_copies_is_read_off_its_class():
+    parent = tiny_model("gqa")
+    assert convert_attention(parent, "sliding_window", sliding_window=4).copied == (
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "o_proj.weight",
+    )
+    additive = convert_attention(parent, "additive")
+    assert additive.copied == ("v_proj.weight", "o_proj.weight")
+    assert additive.model.config.position_embedding_type == "alibi"  # RoPE does not apply to tanh scores
+    # AFT keeps no heads: the parent's 2 value heads of width 8 are repeated to its 32 channels (4 query heads)
+    aft = convert_attention(parent, "aft_simple")
+    value = aft.model.state_dict()["model.layers.1.self_attn.v_proj.weight"]
+    parent_value = parent.state_dict()["model.layers.1.self_attn.v_proj.weight"].view(2, 8, 32)
+    assert torch.equal(value.view(4, 8, 32), parent_value.repeat_interleave(2, dim=0))
+
+
+def test_one_layer_at_a_time():
+    parent = tiny_model("gqa")
+    student = convert_attention(parent, "mqa").model
+    before = state(student)
+    (result,) = attention_transfer(parent, student, calibration(), layers=[1], learning_rate=1e-2)
+    assert result.layer == 1
+    changed = {
+        name.split(".")[2] for name, tensor in before.items() if not torch.equal(tensor, student.state_dict()[name])
+    }
+    assert changed == {"1"}
+
+
+@pytest.mark.parametrize(
+    ("parent", "target", "fields", "named"),
+    [
+        ("linformer", "mqa", {}, "not an MHA-family model"),
+        ("gqa", "sliding_window", dict(hidden_size=64), "leave the backbone's fields"),
+        ("gqa", "topk", dict(position_embedding_type="sinusoidal"), "residual stream"),
+        ("gqa", "gqa", {}, "needs num_key_value_heads"),
+        ("gqa", "mla", {}, "needs kv_lora_rank"),
+        ("gqa", "sliding_window", dict(sliding_window=0), "sliding_window=0"),
+        ("gqa", "differential", dict(head_dim=6), "head_dim=6"),
+    ],
+)
+def test_targets_that_cannot_be_built_from_the_parent_are_named(parent, target, fields, named):
+    with pytest.raises(ValueError, match=named):
+        convert_attention(tiny_model(parent), target, **fields)
+
+
+def test_transfer_batches_are_rectangular(tmp_path):
+    from hf_attn_zoo.data import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    batches = transfer_batches(["a" * 100, "b" * 70], tokenizer, block_size=32, max_tokens=150, batch_size=2)
+    assert [tuple(batch.shape) for batch in batches] == [(2, 32), (2, 32)]  # 3 + 2 full blocks within 150 tokens
+
+
+# the command
+
+
+@pytest.fixture
+def texts(tmp_path):
+    train, held_out = tmp_path / "train.txt", tmp_path / "held_out.txt"
+    train.write_text("the quick brown fox jumps over the lazy dog. " * 30)
+    held_out.write_text("a lazy dog sleeps under the brown tree. " * 6)
+    return train, held_out
+
+
+def test_convert_with_transfer_writes_a_model_and_a_summary(tmp_path, texts, capsys):
+    parent = saved_model(tmp_path / "parent")
+    out = tmp_path / "window"
+    argv = ["convert", str(parent), str(out), "--to", "sliding_window", "--config", '{"sliding_window": 8}']
+    options = ["--transfer", "--data", str(texts[0]), "--tokens", "640", "--block_size", "64"]
+    assert main([*argv, *options, "--eval_data", str(texts[1])]) == 0
+    printed = capsys.readouterr().out
+    assert "attention transfer: 640 tokens x 1 layers" in printed and "| after transfer |" in printed
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert set(summary["held_out_perplexity"]) == {"parent", "converted", "transferred"}
+    (layer,) = summary["transfer"]["layers"]
+    assert layer["loss_after"] < layer["loss_before"] and layer["steps"] == 10
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "zoo_sliding_window" and model.config.sliding_window == 8
+    assert "attention transfer" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--transfer"], "--transfer needs --data"),
+        (["--data", "{train}"], "add --transfer"),
+        (["--transfer", "--data", "{empty}"], "is empty"),
+        (["--transfer", "--data", "{train}", "--eval_data", "{empty}"], "is empty"),
+        (["--transfer", "--data", "{train}", "--tokens", "10"], "too little to learn from"),
+        (["--transfer", "--data", "{train}", "--config", "{{oops"], "is not JSON"),
+        (["--transfer", "--data", "{train}", "--config", '{{"hidden_size": 64}}'], "leave the backbone's fields"),
+        (["--transfer", "--data", "{train}", "--method", "mean"], "leave --method out"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, texts, capsys, extra, named):
+    parent = saved_model(tmp_path / "parent")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    out = tmp_path / "out"
+    extra = [word.format(train=texts[0], empty=empty) for word in extra]
+    error = one_line_error(capsys, ["convert", str(parent), str(out), "--to", "topk", "--block_size", "32", *extra])
+    assert named in error
+    assert not out.exists()
+
+
+def test_a_parent_without_a_tokenizer_is_refused(tmp_path, texts, capsys):
+    parent = saved_model(tmp_path / "parent", tokenizer=False)
+    out = tmp_path / "out"
+    argv = ["convert", str(parent), str(out), "--to", "mqa", "--transfer", "--data", str(texts[0])]
+    assert "no tokenizer files" in one_line_error(capsys, argv)
+    assert not out.exists()
