@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .data import DataArguments
 from .models import get_variant
-from .train import ModelArguments, run_training
+from .train import ModelArguments, ZooTrainingArguments, run_training
 from .train.trainer import complete_checkpoints
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 DEMO_CONFIG = {"hidden_size": 192, "num_hidden_layers": 4, "max_position_embeddings": 256}
 
 
-def demo_recipe(options: DemoOptions) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
+def demo_recipe(options: DemoOptions) -> tuple[ModelArguments, DataArguments, ZooTrainingArguments]:
     """The demo's recipe, as `hf-attn-zoo train` would parse it."""
     variant = get_variant(options.variant)
     config = dict(DEMO_CONFIG)
@@ -45,7 +45,7 @@ def demo_recipe(options: DemoOptions) -> tuple[ModelArguments, DataArguments, Tr
         seed=options.seed,
         packing=options.packing,
     )
-    training_args = TrainingArguments(
+    training_args = ZooTrainingArguments(
         output_dir=str(output_dir),
         max_steps=options.max_steps,
         per_device_train_batch_size=16,

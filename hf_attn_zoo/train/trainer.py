@@ -13,6 +13,15 @@ from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..convert.distill import (
+    TAIL_LOGPROB,
+    TOPK_COLUMNS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    check_precomputed_temperature,
+    distillation_loss,
+    topk_distillation_loss,
+)
 from ..errors import MissingPathError, UserError
 from .batching import TokenBatchSampler
 from .callbacks import COMPLETE_MARKER
@@ -109,6 +118,44 @@ class ZooSeq2SeqTrainer(ZooTrainer, Seq2SeqTrainer):
             pin_memory=self.args.dataloader_pin_memory,
         )
         return self.accelerator.prepare(loader)  # each process takes every world_size-th batch
+
+
+class ZooDistillationTrainer(ZooTrainer):
+    """`ZooTrainer` whose training loss is distillation (`hf_attn_zoo.convert.distill`): KL(teacher || student) at
+    `temperature` mixed with cross-entropy by `alpha`, against `teacher` run alongside, or against the teacher's top-k
+    columns a batch carries (precomputed once). Evaluation keeps the labels' cross-entropy, so that validation
+    perplexity means what it means for every other run."""
+
+    def __init__(self, *args, teacher=None, temperature: float = 1.0, alpha: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.teacher, self.temperature, self.alpha = teacher, temperature, alpha
+        if teacher is not None:
+            teacher.to(self.args.device)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        # the precomputed teacher columns reach compute_loss, which takes them out before the model's forward
+        self._signature_columns = [*self._signature_columns, *TOPK_COLUMNS]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        columns = {name: inputs.pop(name) for name in TOPK_COLUMNS if name in inputs}
+        if not model.training:  # evaluation: the labels' cross-entropy, as every run reports it
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.pop("labels", None)
+        outputs = model(**inputs, use_cache=False)  # (B, T, V) logits, no loss
+        settings = {"temperature": self.temperature, "alpha": self.alpha, "num_items_in_batch": num_items_in_batch}
+        if columns:
+            check_precomputed_temperature(columns, self.temperature)
+            teacher_columns = (columns[TOPK_IDS].long(), columns[TOPK_LOGPROBS], columns[TAIL_LOGPROB])
+            loss = topk_distillation_loss(outputs.logits, *teacher_columns, labels, **settings)
+        elif self.teacher is not None:
+            with torch.no_grad():
+                teacher_logits = self.teacher(**inputs, use_cache=False).logits  # (B, T, V)
+            loss = distillation_loss(outputs.logits, teacher_logits, labels, **settings)
+        else:
+            raise ValueError("distillation needs a teacher to run alongside or its top-k columns in every batch.")
+        return (loss, outputs) if return_outputs else loss
 
 
 def token_batches(pairs, args: TrainingArguments) -> TokenBatchSampler:

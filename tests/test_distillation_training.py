@@ -1,0 +1,73 @@
+"""Distillation through the one training path (`convert.distill`, `train.tasks.DistillationTask`): a model
+distilled from itself has nothing to learn (the KL is zero at the first step, with the teacher run alongside and with
+its top-k precomputed over the whole vocabulary); a converted model learns from its parent and its validation
+perplexity is the labels' (as every run reports it); settings that cannot work are refused before any work."""
+
+from pathlib import Path
+
+import pytest
+
+from hf_attn_zoo.errors import UserError
+from hf_attn_zoo.train import load_recipe, run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny_gqa.yaml"
+
+
+def run(output: Path, *overrides: str) -> dict:
+    args = ["--training.output_dir", str(output), "--training.report_to", "none", *overrides]
+    return run_training(*load_recipe(TINY, args))
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory) -> Path:
+    """A tiny GQA language model trained 20 steps (2 key/value heads over 4 query heads)."""
+    output = tmp_path_factory.mktemp("parent")
+    run(output, "--training.max_steps", "20", "--training.save_steps", "20")
+    return output / "final"
+
+
+STEPS = ["--training.max_steps", "3", "--training.logging_steps", "1", "--training.save_steps", "3"]
+
+
+@pytest.mark.parametrize("topk", [None, 512])
+def test_a_model_distilled_from_itself_has_nothing_to_learn(parent, tmp_path, topk):
+    """Teacher = student: KL(p || p) = 0 at the first step, whether the teacher runs alongside or its top-k over
+    the whole vocabulary (512 tokens) was precomputed (exact there: the tail is empty)."""
+    precompute = ["--convert.teacher_topk", str(topk)] if topk else []
+    summary = run(tmp_path, "--model.init_from", str(parent), "--convert.distill", "true", *precompute, *STEPS)
+    assert summary["losses"][0] == pytest.approx(0.0, abs=1e-5)
+    assert 1 < summary["validation_perplexity"] < 512  # the labels' perplexity, not exp(KL) = 1
+
+
+def test_a_converted_model_learns_from_its_parent(parent, tmp_path):
+    """MQA pooled from the GQA parent: the KL to the parent is positive at first and falls as it trains."""
+    overrides = ["--model.init_from", str(parent), "--convert.num_key_value_heads", "1", "--convert.distill", "true"]
+    settings = ["--convert.temperature", "2", "--convert.alpha", "0.1", *STEPS, "--training.max_steps", "8"]
+    summary = run(tmp_path, *overrides, *settings)
+    losses = summary["losses"]
+    assert losses[0] > 0.01 and min(losses[-3:]) < losses[0]
+    assert "distillation" in (Path(summary["final_model"]) / "README.md").read_text()
+
+
+def test_distillation_settings_that_cannot_work_are_refused(parent, tmp_path):
+    output = ["--training.output_dir", str(tmp_path)]
+    with pytest.raises(UserError, match=r"convert\.temperature sets distillation up: set convert\.distill true"):
+        load_recipe(TINY, [*output, "--convert.temperature", "2"])
+    with pytest.raises(UserError, match=r"convert\.distill needs a teacher"):
+        load_recipe(TINY, [*output, "--convert.distill", "true"])
+    with pytest.raises(UserError, match=r"convert\.alpha=2\.0 in \[0, 1\]"):
+        load_recipe(TINY, [*output, "--convert.distill", "true", "--convert.alpha", "2"])
+    # a teacher over another vocabulary: refused naming both sizes, before training
+    other = tmp_path / "other"
+    run(other, "--data.vocab_size", "300", "--training.max_steps", "1", "--training.save_steps", "1")
+    overrides = [
+        "--model.init_from",
+        str(parent),
+        "--convert.distill",
+        "true",
+        "--convert.teacher",
+        str(other / "final"),
+    ]
+    with pytest.raises(UserError, match=r"teacher predicts 300 tokens, the student 512"):
+        run(tmp_path / "mismatch", *overrides, *STEPS)
