@@ -215,3 +215,14 @@ def test_a_parent_without_a_tokenizer_is_refused(tmp_path, texts, capsys):
     argv = ["convert", str(parent), str(out), "--to", "mqa", "--transfer", "--data", str(texts[0])]
     assert "no tokenizer files" in one_line_error(capsys, argv)
     assert not out.exists()
+
+
+def test_a_layer_that_training_does_not_improve_keeps_its_weights():
+    """Top-k at k = 8 of 16 keys starts close to its parent; Adam at a learning rate far too high overshoots, and
+    the layer is put back as it was."""
+    parent = tiny_model("mha")
+    student = convert_attention(parent, "topk", topk=8).model
+    before = state(student)
+    results = attention_transfer(parent, student, calibration(), learning_rate=1.0)
+    assert all(result.kept_initial and result.loss_after == result.loss_before for result in results)
+    assert all(torch.equal(tensor, student.state_dict()[name]) for name, tensor in before.items())
