@@ -259,6 +259,20 @@ class ConvertOptions:
     transfer_batch_size: int = field(default=1, metadata={"help": "rows per transfer step"})
     transfer_epochs: int = field(default=1, metadata={"help": "passes over the tokens per layer"})
     transfer_learning_rate: float = field(default=1e-3, metadata={"help": "Adam's learning rate for each layer"})
+    distill: bool = field(
+        default=False,
+        metadata={
+            "help": "then train the converted model end to end on the parent's next-token distribution over --data "
+            "(--tokens of it), through the training path (convert.distill)"
+        },
+    )
+    temperature: float = field(default=1.0, metadata={"help": "--distill: the temperature of the KL"})
+    alpha: float = field(default=0.0, metadata={"help": "--distill: weight of the labels' cross-entropy (0 to 1)"})
+    topk: int | None = field(
+        default=None, metadata={"help": "--distill: precompute the parent's top-k once instead of running it"}
+    )
+    learning_rate: float = field(default=5e-4, metadata={"help": "--distill: peak learning rate (cosine, 5% warm-up)"})
+    batch_size: int = field(default=4, metadata={"help": "--distill: rows of --block_size tokens per step"})
     eval_data: list[str] | None = field(
         default=None,
         metadata={"help": "held-out text: the summary scores the parent and the converted model before/after on it"},

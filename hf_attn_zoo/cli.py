@@ -326,6 +326,15 @@ def convert_command(options: ConvertOptions) -> Path:
         )
         if held_out:
             scores["transferred"] = held_out_perplexity(converted, tokenizer, held_out, options)
+    if options.distill:
+        converted, summary["distillation"] = run_distillation(options, converted, tokenizer)
+        distillation = summary["distillation"]
+        details["distillation"] = (
+            f"{distillation['train_tokens']:,} tokens at T={options.temperature}, alpha={options.alpha} from "
+            f"{options.src} ({'top-' + str(options.topk) if options.topk else 'run alongside'})"
+        )
+        if held_out:
+            scores["distilled"] = held_out_perplexity(converted, tokenizer, held_out, options)
     if scores:
         summary["held_out_perplexity"] = scores
     out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details, summary=summary)
@@ -372,13 +381,22 @@ def read_texts(files: list[Path], max_chars: int | None, option: str) -> list[st
 
 
 def transfer_data(options: ConvertOptions) -> list[str]:
-    """The `--data` texts for `--transfer`, refused in one line when absent, empty, or given without `--transfer`."""
-    if options.data and not options.transfer:
-        raise UserError("--data is the text --transfer learns from: add --transfer, or leave --data out.")
-    if not options.transfer:
+    """The `--data` texts for `--transfer` and `--distill`, refused in one line when absent, empty, or given without
+    either."""
+    learns = options.transfer or options.distill
+    if options.data and not learns:
+        raise UserError("--data is the text --transfer / --distill learn from: add one, or leave --data out.")
+    if not learns:
         return []
     if not options.data:
-        raise UserError("--transfer needs --data FILE...: text to reproduce the original's attention on.")
+        raise UserError("--transfer and --distill need --data FILE...: text to learn the parent's behaviour on.")
+    if options.distill and (options.temperature <= 0 or not 0 <= options.alpha <= 1):
+        raise UserError(f"--temperature {options.temperature} must be > 0 and --alpha {options.alpha} in [0, 1].")
+    if options.distill and not options.eval_data and len(options_data_files(options)) < 2:
+        raise UserError(
+            "--distill validates on a share of --data's files, and one file cannot be split: give --eval_data "
+            "(held-out text) or more --data files."
+        )
     for name in ("tokens", "block_size", "transfer_batch_size", "transfer_epochs"):
         if getattr(options, name) < 1:
             raise UserError(f"--{name} {getattr(options, name)} must be a positive number.")
@@ -439,8 +457,68 @@ def run_transfer(options: ConvertOptions, parent, converted, tokenizer, texts: l
     }
 
 
+def run_distillation(options: ConvertOptions, converted, tokenizer) -> tuple:
+    """Train `converted` on the parent's next-token distribution over `--data` (`--tokens` of it, rows of
+    `--block_size`) through the one training path (`convert.distill`, `hf_attn_zoo.train.tasks.DistillationTask`),
+    the Trainer's progress bar showing; returns the distilled model and the run's summary."""
+    import math
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from .checkpoints import save_checkpoint
+    from .data import DataArguments
+    from .train import ModelArguments, ZooTrainingArguments, run_training
+    from .train.recipe import ConversionArguments
+
+    teacher = str(Path(options.src).expanduser() / options.gguf_file) if options.gguf_file else options.src
+    block = min(options.block_size, converted.config.max_position_embeddings)
+    steps = max(1, math.ceil(options.tokens / (options.batch_size * block)))
+    with tempfile.TemporaryDirectory(prefix="hf-attn-zoo-distill-") as staging:
+        start_from = save_checkpoint(Path(staging) / "converted", converted, tokenizer=tokenizer)
+        model_args = ModelArguments(init_from=str(start_from), size=None)
+        model_args.conversion = ConversionArguments(
+            distill=True,
+            teacher=teacher,
+            temperature=options.temperature,
+            alpha=options.alpha,
+            teacher_topk=options.topk,
+        )
+        data_args = DataArguments(
+            train_files=list(options.data),
+            validation_files=list(options.eval_data or []),  # else a share of --data's files
+            block_size=block,
+            tokenizer=str(start_from),
+        )
+        training_args = ZooTrainingArguments(
+            output_dir=str(Path(staging) / "run"),
+            max_steps=steps,
+            per_device_train_batch_size=options.batch_size,
+            per_device_eval_batch_size=options.batch_size,
+            learning_rate=options.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, steps // 20),
+            weight_decay=0.0,
+            logging_steps=max(1, steps // 10),
+            save_strategy="no",
+            eval_strategy="no",
+            report_to=[],
+        )
+        summary = run_training(model_args, data_args, training_args)
+        distilled = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
+    keep = ("steps", "train_tokens", "seconds", "tokens_per_second", "losses", "validation_perplexity")
+    return distilled, {key: summary[key] for key in keep}
+
+
 def print_convert_summary(options: ConvertOptions, converted, conversion, seconds: float, summary: dict, out) -> None:
     print(f"{converted.config.model_type} ({conversion.how}; {seconds:.1f} s) written to {out}")
+    if "distillation" in summary:
+        distillation = summary["distillation"]
+        print(
+            f"distillation: {distillation['train_tokens']:,} tokens in {distillation['steps']} steps, "
+            f"{distillation['seconds']:.0f} s; loss {distillation['losses'][0]:.4f} -> "
+            f"{distillation['losses'][-1]:.4f}"
+        )
     if "transfer" in summary:
         transfer = summary["transfer"]
         layers = transfer["layers"]
@@ -454,7 +532,12 @@ def print_convert_summary(options: ConvertOptions, converted, conversion, second
     scores = summary.get("held_out_perplexity")
     if scores:
         print("| held-out perplexity | value |\n| --- | ---: |")
-        names = {"parent": f"parent ({options.src})", "converted": "converted", "transferred": "after transfer"}
+        names = {
+            "parent": f"parent ({options.src})",
+            "converted": "converted",
+            "transferred": "after transfer",
+            "distilled": "after distillation",
+        }
         for key, value in scores.items():
             print(f"| {names[key]} | {value:,.2f} |")
 

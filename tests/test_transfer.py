@@ -185,11 +185,32 @@ def test_convert_with_transfer_writes_a_model_and_a_summary(tmp_path, texts, cap
     assert "attention transfer" in (out / "README.md").read_text()
 
 
+def test_convert_transfer_and_distill_in_one_command(tmp_path, texts, capsys):
+    """convert + transfer + distillation (the training path's convert.distill) in one command: the summary scores
+    the model after each, and distillation's first loss is the KL of the transferred model to its parent."""
+    parent = saved_model(tmp_path / "parent")
+    out = tmp_path / "mqa"
+    argv = ["convert", str(parent), str(out), "--to", "mqa", "--transfer", "--distill", "--data", str(texts[0])]
+    options = ["--tokens", "640", "--block_size", "32", "--batch_size", "2", "--temperature", "2"]
+    assert main([*argv, *options, "--eval_data", str(texts[1])]) == 0
+    printed = capsys.readouterr().out
+    assert "distillation: 640 tokens in 10 steps" in printed and "| after distillation |" in printed
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert set(summary["held_out_perplexity"]) == {"parent", "converted", "transferred", "distilled"}
+    distillation = summary["distillation"]
+    assert distillation["steps"] == 10 and distillation["losses"][0] > 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == "zoo_mqa" and "distillation" in (out / "README.md").read_text()
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        (["--transfer"], "--transfer needs --data"),
-        (["--data", "{train}"], "add --transfer"),
+        (["--transfer"], "--transfer and --distill need --data"),
+        (["--distill"], "--transfer and --distill need --data"),
+        (["--distill", "--data", "{train}"], "give --eval_data"),
+        (["--distill", "--data", "{train}", "--alpha", "2", "--eval_data", "{train}"], "--alpha 2.0 in [0, 1]"),
+        (["--data", "{train}"], "add one, or leave --data out"),
         (["--transfer", "--data", "{empty}"], "is empty"),
         (["--transfer", "--data", "{train}", "--eval_data", "{empty}"], "is empty"),
         (["--transfer", "--data", "{train}", "--tokens", "10"], "too little to learn from"),
