@@ -76,16 +76,265 @@ class KnownFailure:
 
     kind: str
     reason: str
-    tests: tuple[str, ...]  # test method names (a parameterized test's generated names start with them)
+    tests: tuple[str, ...]  # test method names (those of a parameterized test, too)
     models: tuple[str, ...]  # case names (`gqa`, `mha-cross_additive`, `rnn`; `causal-gqa` for the causal LMs)
 
 
-KNOWN_FAILURES: tuple[KnownFailure, ...] = ()
+# why each failing test fails (keys name the causes, D1-D4 the defects found so far)
+REASONS = {
+    "cross_heads": (
+        "The test derives every cache layer's shape from the self-attention's fields (`num_key_value_heads`, "
+        "`head_dim`, MLA's latent width), the cross-attention's layers included; the zoo's cross-attention "
+        "has its own (`cross_attention_num_key_value_heads`, all heads by default; the additive one caches "
+        "keys at `cross_attention_additive_dim`). `gqa-cross_gqa`, where the two agree, passes these tests."
+    ),
+    "state": (
+        "The test reads per-token keys and values from every cache layer, or decodes from a `DynamicCache`; "
+        "this variant decodes from a running state per layer (no key or value per token), and refuses a "
+        "key/value cache naming why."
+    ),
+    "no_maps": (
+        "The test expects attention maps of `num_attention_heads` heads over every key; AFT has no heads and "
+        "no attention weights (it returns none), Linformer's causal decoder has no map over the tokens (it "
+        "compresses the keys anew at every step; it returns none), and the RNN translator has no "
+        "self-attention (its config has no `num_attention_heads`, its outputs no maps)."
+    ),
+    "linformer_maps": (
+        "The test expects attention maps over every key; Linformer's are over its `linformer_k` compressed "
+        "slots (5 here, 7 keys)."
+    ),
+    "window": (
+        "The test expects a cache of every token; the sliding-window self-attention keeps only the last "
+        "`sliding_window` - 1."
+    ),
+    "by_name": (
+        "The test skips base models and adds labels by class name, from transformers' own Auto mappings "
+        "(`MODEL_MAPPING_NAMES`, ...); a model registered at run time (`AutoModel.register`) is not in them, "
+        "so the test trains the base model, which has no loss. BART passes it because `BartModel` is listed. "
+        "This hides D2 (gradient checkpointing with `use_reentrant=True`), which these tests would otherwise "
+        "show."
+    ),
+    "d3": (
+        'D3: with a sliding window, `generate(cache_implementation="static")` builds the cross-attention '
+        "cache as a sliding-window layer too, which keeps 4 of the 7 source tokens; compiled, the scores (2, "
+        "4, 1, 4) meet the source mask (2, 1, 1, 7) in a broadcast error."
+    ),
+    "additive_self": (
+        "The test expects cached keys of `head_dim`; the additive variant caches its keys projected to "
+        "`additive_dim` (8 here), what its scores read at every step."
+    ),
+    "d4": (
+        "D4: the RNN translator does not declare itself stateful (`_is_stateful`), so assisted and prompt-"
+        "lookup decoding are not refused up front: transformers refuses them late (`Assisted decoding "
+        "requires a cache that can be cropped`)."
+    ),
+    "rnn_layers": (
+        "The test expects `num_hidden_layers` + 1 hidden states per side; the RNN translator's stacked "
+        "`nn.GRU` runs its layers in one call and returns the embeddings and the top layer's output."
+    ),
+    "tied": (
+        "D1: the shared embedding is one module under three names (`shared`, `encoder.embed_tokens`, "
+        "`decoder.embed_tokens`); BART has three modules with tied weights. A checkpoint without the "
+        "embedding leaves it unreported and on the `meta` device."
+    ),
+}
+
+KNOWN_FAILURES: tuple[KnownFailure, ...] = (
+    KnownFailure(
+        "assumption",
+        REASONS["additive_self"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+            "test_beam_search_generate_dict_outputs_use_cache",
+            "test_greedy_generate_dict_outputs_use_cache",
+            "test_past_key_values_format",
+        ),
+        ("additive",),
+    ),
+    KnownFailure(
+        "defect",
+        REASONS["tied"],
+        ("test_model_weights_reload_no_missing_tied_weights",),
+        (
+            "additive",
+            "aft_full",
+            "aft_local",
+            "aft_simple",
+            "differential",
+            "gqa",
+            "gqa-cross_gqa",
+            "linformer",
+            "mha",
+            "mha-cross_additive",
+            "mha-cross_mqa",
+            "mla",
+            "mqa",
+            "rnn",
+            "single_head",
+            "sliding_window",
+            "topk",
+        ),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["by_name"],
+        ("test_training",),
+        (
+            "additive",
+            "aft_full",
+            "aft_local",
+            "aft_simple",
+            "differential",
+            "gqa",
+            "gqa-cross_gqa",
+            "linformer",
+            "mha",
+            "mha-cross_additive",
+            "mha-cross_mqa",
+            "mla",
+            "mqa",
+            "rnn",
+            "single_head",
+            "sliding_window",
+            "topk",
+        ),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["by_name"],
+        (
+            "test_training_gradient_checkpointing",
+            "test_training_gradient_checkpointing_use_reentrant_false",
+            "test_training_gradient_checkpointing_use_reentrant_true",
+        ),
+        (
+            "additive",
+            "aft_full",
+            "aft_local",
+            "aft_simple",
+            "differential",
+            "gqa",
+            "gqa-cross_gqa",
+            "linformer",
+            "mha",
+            "mha-cross_additive",
+            "mha-cross_mqa",
+            "mla",
+            "mqa",
+            "single_head",
+            "sliding_window",
+            "topk",
+        ),
+    ),
+    KnownFailure(
+        "assumption", REASONS["no_maps"], ("test_attention_outputs",), ("aft_full", "aft_local", "aft_simple", "rnn")
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["no_maps"],
+        ("test_retain_grad_hidden_states_attentions",),
+        ("aft_full", "aft_local", "aft_simple", "linformer", "rnn"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["no_maps"],
+        (
+            "test_beam_sample_generate_dict_output",
+            "test_beam_search_generate_dict_output",
+            "test_beam_search_generate_dict_outputs_use_cache",
+            "test_greedy_generate_dict_outputs",
+            "test_greedy_generate_dict_outputs_use_cache",
+            "test_sample_generate_dict_output",
+        ),
+        ("rnn",),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["state"],
+        ("test_bc_cache_name_forward",),
+        ("aft_full", "aft_local", "aft_simple", "linformer"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["state"],
+        ("test_beam_search_generate_dict_outputs_use_cache", "test_greedy_generate_dict_outputs_use_cache"),
+        ("aft_full", "aft_local", "aft_simple"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["state"],
+        ("test_generate_continue_from_past_key_values", "test_past_key_values_format"),
+        ("aft_full", "aft_local", "aft_simple", "linformer", "rnn"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["cross_heads"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+            "test_past_key_values_format",
+        ),
+        ("differential", "gqa", "mha-cross_additive", "mha-cross_mqa", "mla", "mqa", "topk"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["cross_heads"],
+        ("test_beam_search_generate_dict_outputs_use_cache", "test_greedy_generate_dict_outputs_use_cache"),
+        ("differential", "gqa", "mha-cross_additive", "mha-cross_mqa", "mla", "mqa", "sliding_window", "topk"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["cross_heads"],
+        ("test_generate_compilation_all_outputs",),
+        ("gqa", "mha-cross_additive", "mha-cross_mqa", "mla", "mqa"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["linformer_maps"],
+        (
+            "test_attention_outputs",
+            "test_beam_sample_generate_dict_output",
+            "test_beam_search_generate_dict_output",
+            "test_beam_search_generate_dict_outputs_use_cache",
+            "test_greedy_generate_dict_outputs",
+            "test_greedy_generate_dict_outputs_use_cache",
+            "test_sample_generate_dict_output",
+        ),
+        ("linformer",),
+    ),
+    KnownFailure(
+        "defect",
+        REASONS["d4"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+        ),
+        ("rnn",),
+    ),
+    KnownFailure("assumption", REASONS["rnn_layers"], ("test_hidden_states_output",), ("rnn",)),
+    KnownFailure(
+        "assumption",
+        REASONS["window"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+            "test_past_key_values_format",
+        ),
+        ("sliding_window",),
+    ),
+    KnownFailure("defect", REASONS["d3"], ("test_generate_compilation_all_outputs",), ("sliding_window",)),
+)
 
 
 def known_failure(case: str, test: str) -> KnownFailure | None:
     for failure in KNOWN_FAILURES:
-        if case in failure.models and any(test == name or test.startswith(f"{name}_") for name in failure.tests):
+        # parameterized.expand names its tests `<name>_<index>[_<first parameter>]`
+        if case in failure.models and any(re.fullmatch(rf"{name}(_\d+(_.*)?)?", test) for name in failure.tests):
             return failure
     return None
 
@@ -147,8 +396,9 @@ def bind(cls: type, case: str) -> type:
 
 
 def seq2seq_config(case: str, tester: BartModelTester):
-    """The config of `case` at BART's tester sizes: width, layers, heads, feed-forward width, positions and special
-    tokens as `BartModelTester.get_config` sets them on BART, and the variant's own fields (tests/conftest.py)."""
+    """The config of `case` at BART's tester sizes: width, layers, feed-forward width, positions and special tokens as
+    `BartModelTester.get_config` sets them on BART, and the variant's own fields (tests/conftest.py), its heads among
+    them: BART's 4 where the variant has heads, 1 for single-head attention and AFT (which has none)."""
     if case == "bart":
         return BartModelTester.get_config(tester)
     sizes = dict(
@@ -167,7 +417,6 @@ def seq2seq_config(case: str, tester: BartModelTester):
         num_hidden_layers=tester.num_hidden_layers,
         encoder_layers=tester.num_hidden_layers,
         decoder_layers=tester.num_hidden_layers,
-        num_attention_heads=tester.num_attention_heads,
         intermediate_size=tester.intermediate_size,
         max_position_embeddings=tester.max_position_embeddings,
         attention_dropout=tester.attention_probs_dropout_prob,
@@ -185,7 +434,10 @@ def seq2seq_case(case: str) -> type:
 
     class Tester(BartModelTester):
         def get_config(self):
-            return seq2seq_config(case, self)
+            config = seq2seq_config(case, self)
+            # the tests read the heads off the tester too: the variant's own (1 for single-head attention and AFT)
+            self.num_attention_heads = getattr(config, "num_attention_heads", self.num_attention_heads)
+            return config
 
     class Case(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
         all_model_classes = classes
