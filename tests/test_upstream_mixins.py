@@ -1,0 +1,565 @@
+"""transformers' own common model tests against the zoo: the unmodified `ModelTesterMixin` + `GenerationTesterMixin`
+with BART's `BartModelTester` sizes and inputs, over every zoo encoder-decoder (every variant's translator with
+dot-product cross-attention, each other cross-attention kind, the RNN) and BART itself as the control; and the
+decoder-only `CausalLMModelTest` with Llama's tester sizes over every zoo causal LM, Llama as the control.
+
+The upstream files are not in the repository: `python -m tests.upstream_tests --snapshot PATH` assembles them (see
+tests/upstream_tests.py); without them the module is skipped, naming what is missing. Every test a model is known to
+fail is listed in `KNOWN_FAILURES` with its reason: such a test must fail (a fix makes it an error until its entry is
+removed), any other failure fails the run. A run of the whole module rewrites the table in docs/testing.md.
+
+    python -m tests.upstream_tests --snapshot PATH
+    python -m pytest tests/test_upstream_mixins.py -m slow
+"""
+
+import contextlib
+import fcntl
+import functools
+import inspect
+import json
+import re
+import sys
+import unittest
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import transformers
+
+from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
+
+from conftest import CONFORMANCE
+from upstream_tests import COMMAND, cache_dir, missing
+
+pytestmark = pytest.mark.slow
+
+ABSENT = missing()
+if ABSENT:
+    pytest.skip(
+        f"transformers {transformers.__version__}'s own tests are not assembled (missing: {', '.join(ABSENT)}); "
+        f"get them with `{COMMAND}`",
+        allow_module_level=True,
+    )
+
+# the assembled folder holds transformers' `tests` package, whose files import each other as `tests.<module>`; the
+# repository's tests/ folder (no __init__.py) must not shadow it as a namespace package
+sys.path.insert(0, str(cache_dir()))
+if "tests" in sys.modules and getattr(sys.modules["tests"], "__file__", None) is None:
+    del sys.modules["tests"]
+from tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
+from tests.models.bart.test_modeling_bart import BartModelTester  # noqa: E402
+from tests.test_modeling_common import ModelTesterMixin  # noqa: E402
+
+try:  # the decoder-only tester of the snapshot, which must match the installed transformers
+    from tests.causal_lm_tester import CausalLMModelTest, CausalLMModelTester
+    from tests.models.llama.test_modeling_llama import LlamaModelTester
+
+    CAUSAL_LM_ERROR = None
+except ImportError as error:
+    CAUSAL_LM_ERROR = f"{error}: assemble from a transformers snapshot of release {transformers.__version__}"
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+TABLE_START, TABLE_END = "<!-- upstream-mixins:start -->", "<!-- upstream-mixins:end -->"
+
+# the cross-attention kinds besides every variant's dot-product MHA one (as tests/test_seq2seq.py builds them)
+CROSS_ATTENTION = {
+    "gqa-cross_gqa": {"cross_attention_num_key_value_heads": 2},
+    "mha-cross_mqa": {"cross_attention_num_key_value_heads": 1},
+    "mha-cross_additive": {"cross_attention": "additive", "cross_attention_additive_dim": 6},
+}
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    """Tests some models fail, and why: `assumption` (what the test expects of every model, a different model cannot
+    meet; a control confirms it where one exists) or `defect` (the zoo's to fix)."""
+
+    kind: str
+    reason: str
+    tests: tuple[str, ...]  # test method names (those of a parameterized test, too)
+    models: tuple[str, ...]  # case names (`gqa`, `mha-cross_additive`, `rnn`; `causal-gqa` for the causal LMs)
+
+
+# why each failing test fails (keys name the causes, D1-D4 the defects found so far)
+REASONS = {
+    "cross_heads": (
+        "The test derives every cache layer's shape from the self-attention's fields (`num_key_value_heads`, "
+        "`head_dim`, MLA's latent width), the cross-attention's layers included; the zoo's cross-attention "
+        "has its own (`cross_attention_num_key_value_heads`, all heads by default; the additive one caches "
+        "keys at `cross_attention_additive_dim`). `gqa-cross_gqa`, where the two agree, passes these tests."
+    ),
+    "state": (
+        "The test reads per-token keys and values from every cache layer, or decodes from a `DynamicCache`; "
+        "this variant decodes from a running state per layer (no key or value per token), and refuses a "
+        "key/value cache naming why."
+    ),
+    "no_maps": (
+        "The test expects attention maps of `num_attention_heads` heads over every key; AFT has no heads and "
+        "no attention weights (it returns none), Linformer's causal decoder has no map over the tokens (it "
+        "compresses the keys anew at every step; it returns none), and the RNN translator has no "
+        "self-attention (its config has no `num_attention_heads`, its outputs no maps)."
+    ),
+    "linformer_maps": (
+        "The test expects attention maps over every key; Linformer's are over its `linformer_k` compressed "
+        "slots (5 here, 7 keys)."
+    ),
+    "window": (
+        "The test expects a cache of every token; the sliding-window self-attention keeps only the last "
+        "`sliding_window` - 1."
+    ),
+    "by_name": (
+        "The test skips base models and adds labels by class name, from transformers' own Auto mappings "
+        "(`MODEL_MAPPING_NAMES`, ...); a model registered at run time (`AutoModel.register`) is not in them, "
+        "so the test trains the base model, which has no loss. BART passes it because `BartModel` is listed. "
+        "This hides D2 (gradient checkpointing with `use_reentrant=True`), which these tests would otherwise "
+        "show."
+    ),
+    "d3": (
+        'D3: with a sliding window, `generate(cache_implementation="static")` builds the cross-attention '
+        "cache as a sliding-window layer too, which keeps 4 of the 7 source tokens; compiled, the scores (2, "
+        "4, 1, 4) meet the source mask (2, 1, 1, 7) in a broadcast error."
+    ),
+    "additive_self": (
+        "The test expects cached keys of `head_dim`; the additive variant caches its keys projected to "
+        "`additive_dim` (8 here), what its scores read at every step."
+    ),
+    "d4": (
+        "D4: the RNN translator does not declare itself stateful (`_is_stateful`), so assisted and prompt-"
+        "lookup decoding are not refused up front: transformers refuses them late (`Assisted decoding "
+        "requires a cache that can be cropped`)."
+    ),
+    "rnn_layers": (
+        "The test expects `num_hidden_layers` + 1 hidden states per side; the RNN translator's stacked "
+        "`nn.GRU` runs its layers in one call and returns the embeddings and the top layer's output."
+    ),
+    "tied": (
+        "D1: the shared embedding is one module under three names (`shared`, `encoder.embed_tokens`, "
+        "`decoder.embed_tokens`); BART has three modules with tied weights. A checkpoint without the "
+        "embedding leaves it unreported and on the `meta` device."
+    ),
+}
+
+KNOWN_FAILURES: tuple[KnownFailure, ...] = (
+    KnownFailure(
+        "assumption",
+        REASONS["additive_self"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+            "test_beam_search_generate_dict_outputs_use_cache",
+            "test_greedy_generate_dict_outputs_use_cache",
+            "test_past_key_values_format",
+        ),
+        ("additive",),
+    ),
+    KnownFailure(
+        "defect",
+        REASONS["tied"],
+        ("test_model_weights_reload_no_missing_tied_weights",),
+        (
+            "additive",
+            "aft_full",
+            "aft_local",
+            "aft_simple",
+            "differential",
+            "gqa",
+            "gqa-cross_gqa",
+            "linformer",
+            "mha",
+            "mha-cross_additive",
+            "mha-cross_mqa",
+            "mla",
+            "mqa",
+            "rnn",
+            "single_head",
+            "sliding_window",
+            "topk",
+        ),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["by_name"],
+        ("test_training",),
+        (
+            "additive",
+            "aft_full",
+            "aft_local",
+            "aft_simple",
+            "differential",
+            "gqa",
+            "gqa-cross_gqa",
+            "linformer",
+            "mha",
+            "mha-cross_additive",
+            "mha-cross_mqa",
+            "mla",
+            "mqa",
+            "rnn",
+            "single_head",
+            "sliding_window",
+            "topk",
+        ),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["by_name"],
+        (
+            "test_training_gradient_checkpointing",
+            "test_training_gradient_checkpointing_use_reentrant_false",
+            "test_training_gradient_checkpointing_use_reentrant_true",
+        ),
+        (
+            "additive",
+            "aft_full",
+            "aft_local",
+            "aft_simple",
+            "differential",
+            "gqa",
+            "gqa-cross_gqa",
+            "linformer",
+            "mha",
+            "mha-cross_additive",
+            "mha-cross_mqa",
+            "mla",
+            "mqa",
+            "single_head",
+            "sliding_window",
+            "topk",
+        ),
+    ),
+    KnownFailure(
+        "assumption", REASONS["no_maps"], ("test_attention_outputs",), ("aft_full", "aft_local", "aft_simple", "rnn")
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["no_maps"],
+        ("test_retain_grad_hidden_states_attentions",),
+        ("aft_full", "aft_local", "aft_simple", "linformer", "rnn"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["no_maps"],
+        (
+            "test_beam_sample_generate_dict_output",
+            "test_beam_search_generate_dict_output",
+            "test_beam_search_generate_dict_outputs_use_cache",
+            "test_greedy_generate_dict_outputs",
+            "test_greedy_generate_dict_outputs_use_cache",
+            "test_sample_generate_dict_output",
+        ),
+        ("rnn",),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["state"],
+        ("test_bc_cache_name_forward",),
+        ("aft_full", "aft_local", "aft_simple", "linformer"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["state"],
+        ("test_beam_search_generate_dict_outputs_use_cache", "test_greedy_generate_dict_outputs_use_cache"),
+        ("aft_full", "aft_local", "aft_simple"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["state"],
+        ("test_generate_continue_from_past_key_values", "test_past_key_values_format"),
+        ("aft_full", "aft_local", "aft_simple", "linformer", "rnn"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["cross_heads"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+            "test_past_key_values_format",
+        ),
+        ("differential", "gqa", "mha-cross_additive", "mha-cross_mqa", "mla", "mqa", "topk"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["cross_heads"],
+        ("test_beam_search_generate_dict_outputs_use_cache", "test_greedy_generate_dict_outputs_use_cache"),
+        ("differential", "gqa", "mha-cross_additive", "mha-cross_mqa", "mla", "mqa", "sliding_window", "topk"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["cross_heads"],
+        ("test_generate_compilation_all_outputs",),
+        ("gqa", "mha-cross_additive", "mha-cross_mqa", "mla", "mqa"),
+    ),
+    KnownFailure(
+        "assumption",
+        REASONS["linformer_maps"],
+        (
+            "test_attention_outputs",
+            "test_beam_sample_generate_dict_output",
+            "test_beam_search_generate_dict_output",
+            "test_beam_search_generate_dict_outputs_use_cache",
+            "test_greedy_generate_dict_outputs",
+            "test_greedy_generate_dict_outputs_use_cache",
+            "test_sample_generate_dict_output",
+        ),
+        ("linformer",),
+    ),
+    KnownFailure(
+        "defect",
+        REASONS["d4"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+        ),
+        ("rnn",),
+    ),
+    KnownFailure("assumption", REASONS["rnn_layers"], ("test_hidden_states_output",), ("rnn",)),
+    KnownFailure(
+        "assumption",
+        REASONS["window"],
+        (
+            "test_assisted_decoding_matches_greedy_search_0_random",
+            "test_assisted_decoding_matches_greedy_search_1_same",
+            "test_assisted_decoding_sample",
+            "test_past_key_values_format",
+        ),
+        ("sliding_window",),
+    ),
+    KnownFailure("defect", REASONS["d3"], ("test_generate_compilation_all_outputs",), ("sliding_window",)),
+)
+
+
+def known_failure(case: str, test: str) -> KnownFailure | None:
+    for failure in KNOWN_FAILURES:
+        # parameterized.expand names its tests `<name>_<index>[_<first parameter>]`
+        if case in failure.models and any(re.fullmatch(rf"{name}(_\d+(_.*)?)?", test) for name in failure.tests):
+            return failure
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# outcomes, recorded per (case, test) by the wrapper every test method runs in
+
+
+OUTCOMES: dict[tuple[str, str], tuple[str, str]] = {}  # (case, test) -> (passed | skipped | failed, message)
+EXPECTED: dict[str, list[str]] = {}  # case -> its test names
+
+
+def first_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    return re.sub(r"\s+", " ", text[0] if text else type(error).__name__)[:200]
+
+
+def record(case: str, test: str, method):
+    """`method` run so that its outcome is recorded and checked against `KNOWN_FAILURES`; `subTest` blocks let
+    their failures through (the first one fails the test) and keep their skips to themselves, as unittest does."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        @contextlib.contextmanager
+        def sub_test(msg=None, **params):
+            with contextlib.suppress(unittest.SkipTest):
+                yield
+
+        self.subTest = sub_test
+        expected = known_failure(case, test)
+        try:
+            method(self, *args, **kwargs)
+        except unittest.SkipTest as skip:
+            OUTCOMES[case, test] = ("skipped", str(skip))
+            raise
+        except Exception as error:
+            OUTCOMES[case, test] = ("failed", first_line(error))
+            if expected is not None:
+                pytest.xfail(f"{expected.kind}: {expected.reason}")
+            raise
+        OUTCOMES[case, test] = ("passed", "")
+        if expected is not None:
+            pytest.fail(f"{test} now passes on {case}: remove it from KNOWN_FAILURES ({expected.reason})")
+
+    return run
+
+
+def bind(cls: type, case: str) -> type:
+    """Wrap every test method of `cls` (inherited ones included) with `record`, on `cls` itself."""
+    names = sorted(name for name, _ in inspect.getmembers(cls, inspect.isfunction) if name.startswith("test"))
+    for name in names:
+        setattr(cls, name, record(case, name, getattr(cls, name)))
+    EXPECTED[case] = names
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the encoder-decoders: BART's tester, the config of each case
+
+
+def seq2seq_config(case: str, tester: BartModelTester):
+    """The config of `case` at BART's tester sizes: width, layers, feed-forward width, positions and special tokens as
+    `BartModelTester.get_config` sets them on BART, and the variant's own fields (tests/conftest.py), its heads among
+    them: BART's 4 where the variant has heads, 1 for single-head attention and AFT (which has none)."""
+    if case == "bart":
+        return BartModelTester.get_config(tester)
+    sizes = dict(
+        vocab_size=tester.vocab_size,
+        hidden_size=tester.hidden_size,
+        eos_token_id=tester.eos_token_id,
+        bos_token_id=tester.bos_token_id,
+        pad_token_id=tester.pad_token_id,
+        decoder_start_token_id=transformers.BartConfig().decoder_start_token_id,
+    )
+    if case == "rnn":
+        return SEQ2SEQ["rnn"].config(**sizes, num_layers=tester.num_hidden_layers, dropout=tester.hidden_dropout_prob)
+    name = case.split("-")[0]
+    fields = dict(
+        sizes,
+        num_hidden_layers=tester.num_hidden_layers,
+        encoder_layers=tester.num_hidden_layers,
+        decoder_layers=tester.num_hidden_layers,
+        intermediate_size=tester.intermediate_size,
+        max_position_embeddings=tester.max_position_embeddings,
+        attention_dropout=tester.attention_probs_dropout_prob,
+    )
+    fields |= CONFORMANCE[name]["config"] | CROSS_ATTENTION.get(case, {})
+    return SEQ2SEQ[name].config(**fields)
+
+
+def seq2seq_case(case: str) -> type:
+    classes = (
+        (transformers.BartModel, transformers.BartForConditionalGeneration)
+        if case == "bart"
+        else (SEQ2SEQ[case.split("-")[0]].model_class, SEQ2SEQ[case.split("-")[0]].generation_class)
+    )
+
+    class Tester(BartModelTester):
+        def get_config(self):
+            config = seq2seq_config(case, self)
+            # the tests read the heads off the tester too: the variant's own (1 for single-head attention and AFT)
+            self.num_attention_heads = getattr(config, "num_attention_heads", self.num_attention_heads)
+            return config
+
+    class Case(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+        all_model_classes = classes
+        pipeline_model_mapping = {}
+        is_encoder_decoder = True
+
+        def setUp(self):
+            self.model_tester = Tester(self)
+
+    Case.__name__ = Case.__qualname__ = f"TestSeq2Seq_{case.replace('-', '_')}"
+    return bind(Case, case)
+
+
+SEQ2SEQ_CASES = ["bart", *(name for name in SEQ2SEQ if name != "rnn"), *CROSS_ATTENTION, "rnn"]
+for _case in SEQ2SEQ_CASES:
+    _cls = seq2seq_case(_case)
+    globals()[_cls.__name__] = _cls
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the causal LMs: Llama's tester (CausalLMModelTester's sizes), the variant's own fields on top
+
+
+def causal_lm_case(case: str) -> type:
+    if case == "causal-llama":
+        tester = LlamaModelTester
+    else:
+        variant = VARIANTS[case.removeprefix("causal-")]
+        heads = variant.heads
+
+        class tester(CausalLMModelTester):  # noqa: N801 (a class built per variant)
+            config_class = variant.config_class
+            base_model_class = variant.model_class
+            causal_lm_class = heads["AutoModelForCausalLM"]
+            sequence_classification_class = heads.get("AutoModelForSequenceClassification")
+            token_classification_class = heads.get("AutoModelForTokenClassification")
+            question_answering_class = heads.get("AutoModelForQuestionAnswering")
+
+            def __init__(self, parent, **kwargs):
+                super().__init__(parent, **kwargs)
+                # the variant's own fields, also on the tester, which the tests read beside the config
+                for field, value in CONFORMANCE[variant.name]["config"].items():
+                    setattr(self, field, value)
+                self.head_dim = self.hidden_size // self.num_attention_heads
+
+            def get_config(self):
+                config = super().get_config()
+                return variant.config(**{**config.to_dict(), **CONFORMANCE[variant.name]["config"]})
+
+    class Case(CausalLMModelTest, unittest.TestCase):
+        model_tester_class = tester
+
+    Case.__name__ = Case.__qualname__ = f"TestCausalLM_{case.removeprefix('causal-').replace('-', '_')}"
+    return bind(Case, case)
+
+
+CAUSAL_LM_CASES = ["causal-llama", *(f"causal-{name}" for name in VARIANTS)]
+if CAUSAL_LM_ERROR is None:
+    for _case in CAUSAL_LM_CASES:
+        _cls = causal_lm_case(_case)
+        globals()[_cls.__name__] = _cls
+else:
+
+    @pytest.mark.skip(reason=CAUSAL_LM_ERROR)
+    def test_causal_lm_mixins():
+        """The decoder-only half, skipped when the assembled tester does not import against this transformers."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the table in docs/testing.md
+
+
+def table(outcomes: dict[tuple[str, str], tuple[str, str]]) -> str:
+    """Per case: passed / skipped / failed, then every failure with its reason (`KNOWN_FAILURES`) or, for one not
+    listed, its error."""
+    cases = [case for case in [*SEQ2SEQ_CASES, *CAUSAL_LM_CASES] if any(c == case for c, _ in outcomes)]
+    lines = ["| model | passed | skipped | failed |", "| --- | --- | --- | --- |"]
+    for case in cases:
+        counts = [sum(1 for (c, _), (o, _) in outcomes.items() if c == case and o == kind) for kind in OUTCOME_KINDS]
+        lines.append(f"| `{case}` | " + " | ".join(map(str, counts)) + " |")
+    lines += ["", "| test | models | kind | reason |", "| --- | --- | --- | --- |"]
+    failed: dict[tuple[str, str, str], list[str]] = {}
+    for (case, test), (outcome, message) in sorted(outcomes.items()):
+        if outcome == "failed":
+            known = known_failure(case, test)
+            key = (test, known.kind, known.reason) if known else (test, "new", message.replace("|", "\\|"))
+            failed.setdefault(key, []).append(case)
+    for (test, kind, reason), cases_failing in sorted(failed.items()):
+        lines.append(f"| `{test}` | {', '.join(f'`{c}`' for c in cases_failing)} | {kind} | {reason} |")
+    return "\n".join(lines)
+
+
+OUTCOME_KINDS = ("passed", "skipped", "failed")
+
+
+def write_table(outcomes: dict[tuple[str, str], tuple[str, str]]) -> None:
+    text = DOC.read_text()
+    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
+    DOC.write_text(text[:start] + "\n" + table(outcomes) + "\n" + text[end:])
+
+
+def saved_outcomes() -> dict[tuple[str, str], tuple[str, str]]:
+    path = cache_dir() / "outcomes.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return {tuple(key.split("::", 1)): tuple(value) for key, value in saved.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rewrite_table():
+    """After the module's tests, their outcomes into `outcomes.json` beside the upstream files (over those of earlier
+    runs: the module can run in parts, `-k TestSeq2Seq_gqa`), and once every test has an outcome there, the table in
+    docs/testing.md."""
+    yield
+    with open(cache_dir() / "outcomes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parts running side by side
+        outcomes = saved_outcomes() | OUTCOMES
+        saved = {f"{case}::{test}": list(outcome) for (case, test), outcome in sorted(outcomes.items())}
+        (cache_dir() / "outcomes.json").write_text(json.dumps(saved, indent=1) + "\n")
+    expected = {(case, test) for case, tests in EXPECTED.items() for test in tests}
+    if expected <= outcomes.keys():
+        write_table({key: outcomes[key] for key in expected})
+
+
+if __name__ == "__main__":  # the table again from the last run's outcomes (after editing KNOWN_FAILURES)
+    write_table(saved_outcomes())
