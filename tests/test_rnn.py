@@ -406,7 +406,8 @@ def test_save_and_reload_give_equal_logits(tmp_path, tie):
     }
     assert (tmp_path / "rnn.py").exists() and (tmp_path / "model.safetensors").exists()
     reloaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
-    assert reloaded.model.encoder.embed_tokens is reloaded.model.shared
+    shared = reloaded.model.shared.weight  # one tensor under three modules, as BART's, with or without a tied head
+    assert reloaded.model.encoder.embed_tokens.weight is shared and reloaded.model.decoder.embed_tokens.weight is shared
     assert (reloaded.lm_head.weight is reloaded.model.shared.weight) == tie
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target_batch()).logits
