@@ -163,19 +163,18 @@ class ZooTranslatorModel:
         )
 
 
-def unwindowed_cross_attention_cache(cache: EncoderDecoderCache, config) -> None:
+def unwindowed_cross_attention_cache(cache: EncoderDecoderCache, config, source_length: int) -> None:
     """Put a cross-attention cache of full layers into `cache` where transformers built it from the decoder's config
     and so, for a sliding-window config, of window layers that would keep only the last `sliding_window` source
     tokens: the cross-attention reads the whole source, whatever the self-attention's cache is."""
     cross = cache.cross_attention_cache
     if not any(getattr(layer, "is_sliding", False) for layer in cross.layers):
         return
-    if isinstance(cross, StaticCache):
-        full = StaticCache(config=config, max_cache_len=cross.max_cache_len, offloading=cross.offloading)
-        full.layers = [type(full.layers[0])(max_cache_len=cross.max_cache_len) for _ in cross.layers]
+    offloading = getattr(cross, "offloading", False)
+    if isinstance(cross, StaticCache):  # sized for the source, as transformers sizes it
+        cache.cross_attention_cache = StaticCache(config=config, max_cache_len=source_length, offloading=offloading)
     else:
-        full = DynamicCache(offloading=cross.offloading)
-    cache.cross_attention_cache = full
+        cache.cross_attention_cache = DynamicCache(offloading=offloading)
 
 
 class ZooTranslatorForConditionalGeneration:
@@ -242,7 +241,8 @@ class ZooTranslatorForConditionalGeneration:
             )
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if isinstance(cache := model_kwargs.get(CACHE_KWARG), EncoderDecoderCache):
-            unwindowed_cross_attention_cache(cache, self.model.decoder.unwindowed_config())
+            source_length = model_kwargs["encoder_outputs"][0].shape[1]
+            unwindowed_cross_attention_cache(cache, self.model.decoder.unwindowed_config(), source_length)
 
     @takes_past_key_values
     @can_return_tuple
