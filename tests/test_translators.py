@@ -308,7 +308,9 @@ def test_generate_refuses_caches_the_decoder_cannot_use(case):
         with pytest.raises(TypeError, match="make_cache"):
             model(input_ids=ids, decoder_input_ids=target_batch(), **{CACHE_KWARG: transformers.DynamicCache()})
     cache = model.make_cache()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, cache=cache)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, **{CACHE_KWARG: cache}
+    )
     assert returned_cache(out) is cache
     assert not case.startswith("rnn") or isinstance(cache, ZooRNNCache)
 
