@@ -18,7 +18,7 @@ import torch
 import transformers
 from packaging.version import Version
 from safetensors.torch import load_file, save_file, save_model
-from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoModelForTextEncoding
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForTextEncoding
 
 from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
 from hf_attn_zoo.models.rnn import ZooRNNCache, ZooRNNConfig, ZooRNNForConditionalGeneration
@@ -505,3 +505,24 @@ def test_the_encoder_alone_loads_from_a_translator_checkpoint(case, tmp_path):
     assert torch.equal(encoder.eval()(input_ids=ids, attention_mask=mask).last_hidden_state, expected)
     layer = type(encoder.layers[0])
     assert layer.__name__ == "ZooEncoderLayer" and not encoder.layers[0].self_attn.is_causal
+
+
+@pytest.mark.parametrize("case", ["mha", "gqa-cross_gqa", "mha-cross_additive", "linformer", "aft_simple"])
+@torch.no_grad()
+def test_the_decoder_alone_loads_from_a_translator_checkpoint_as_the_causal_lm(case, tmp_path):
+    """As `BartForCausalLM` out of a BART checkpoint: `AutoModelForCausalLM` gives the variant's causal LM with the
+    translator's decoder layers (cross-attention included), embedding and head; over the translator's encoder outputs
+    it computes the translator's logits."""
+    model = tiny_translator(case, decoder_layers=2)
+    ids, mask = source_batch()
+    target = target_batch()
+    model.save_pretrained(tmp_path)
+    decoder, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(decoder) is VARIANTS[case.split("-")[0]].causal_lm_class and not info["missing_keys"]
+    assert len(decoder.model.layers) == 2 and decoder.config.add_cross_attention
+    encoder_outputs = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    logits = decoder.eval()(
+        input_ids=target, encoder_hidden_states=encoder_outputs, encoder_attention_mask=mask
+    ).logits
+    expected = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
+    assert torch.equal(logits, expected)

@@ -12,6 +12,7 @@ Like the backbone it travels next to every saved checkpoint (remote code), so it
 its flat siblings.
 """
 
+import copy
 import inspect
 from typing import ClassVar
 
@@ -179,6 +180,39 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         base = cls.__dict__.get("base_model_class")
         if base is not None:
             base.causal_lm_class = cls
+
+    # a translator checkpoint's names for its decoder's tensors (its encoder's are not the decoder's)
+    translator_key_mapping: ClassVar[dict[str, str]] = {
+        r"^model\.decoder\.": "model.",
+        r"^model\.shared\.": "model.embed_tokens.",
+    }
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """As `PreTrainedModel.from_pretrained`; a translator checkpoint (`is_encoder_decoder=True`, as `AutoModel...`
+        passes its config) gives its decoder alone, as BART's checkpoints give `BartForCausalLM`: the decoder's
+        `decoder_layers` layers with their cross-attention (`add_cross_attention=True`: it reads
+        `encoder_hidden_states`, under transformers' `EncoderDecoderModel` or beside the translator's encoder), the
+        shared embedding and the head."""
+        config = kwargs.get("config")
+        if config is None:  # the checkpoint's own, read as a plain dict first: only a translator's is rebuilt here
+            names = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "gguf_file")
+            hub = {name: kwargs[name] for name in names if name in kwargs}
+            try:
+                translator = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)[0].get(
+                    "is_encoder_decoder"
+                )
+            except OSError:  # no config to read: transformers' own loading below says so
+                translator = False
+            if translator:
+                config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub)
+        if isinstance(config, ZooConfig) and config.is_encoder_decoder:
+            config = copy.deepcopy(config)
+            config.num_hidden_layers = config.decoder_layers or config.num_hidden_layers
+            config.is_encoder_decoder, config.is_decoder, config.add_cross_attention = False, True, True
+            kwargs["config"] = config
+            kwargs.setdefault("key_mapping", cls.translator_key_mapping)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def __init__(self, config: ZooConfig) -> None:
         if not config.is_decoder and not config.is_encoder_decoder:
