@@ -239,8 +239,11 @@ def test_cross_attentions_are_weights_over_the_real_source(case):
         model.set_attn_implementation("eager")  # sdpa computes no weights
     ids, mask = source_batch()
     output = model(input_ids=ids, attention_mask=mask, decoder_input_ids=target_batch(), output_attentions=True)
-    if case == "rnn-none-gru" or case == "rnn-none-lstm":
-        assert output.cross_attentions is None
+    generated = model.generate(
+        ids, attention_mask=mask, max_new_tokens=3, output_attentions=True, return_dict_in_generate=True
+    )
+    if case in ("rnn-none-gru", "rnn-none-lstm"):
+        assert output.cross_attentions is None and all(step is None for step in generated.cross_attentions)
         return
     heads = 1 if case in RNNS else model.config.num_attention_heads
     layers = 1 if case in RNNS else model.config.decoder_layers
@@ -249,9 +252,6 @@ def test_cross_attentions_are_weights_over_the_real_source(case):
         assert weights.shape == (3, heads, 6, 9)
         torch.testing.assert_close(weights.sum(-1), torch.ones(3, heads, 6), rtol=0, atol=ATOL)
         assert torch.all(weights.masked_select(mask[:, None, None, :] == 0) == 0)
-    generated = model.generate(
-        ids, attention_mask=mask, max_new_tokens=3, output_attentions=True, return_dict_in_generate=True
-    )
     assert generated.cross_attentions[0][0].shape == (3, heads, 1, 9)  # the first step's first layer
 
 

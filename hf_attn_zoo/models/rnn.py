@@ -260,6 +260,7 @@ class ZooRNNEncoder(nn.Module):
 
     def __init__(self, config: ZooRNNConfig) -> None:
         super().__init__()
+        self.config = config
         self.dropout = config.dropout
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.rnn = RNN_CLASSES[config.cell](
@@ -288,6 +289,8 @@ class ZooRNNEncoder(nn.Module):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, S, d)
         if attention_mask is None:
             attention_mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        if output_hidden_states is None:  # a flag left at None falls back to the config, as in transformers
+            output_hidden_states = self.config.output_hidden_states
         embeds = F.dropout(inputs_embeds, self.dropout, self.training)
         outputs = run_packed(self.rnn, embeds, attention_mask.bool())  # (B, S, E)
         hidden_states = (inputs_embeds, outputs) if output_hidden_states else None
