@@ -27,13 +27,13 @@ every attention. The decoding cache (`ZooRNNCache`) holds the decoder RNN state 
 encoder outputs, their projected keys and the source mask: each step then costs one RNN step and one attention read,
 and beam search reorders all of it with the batch.
 
-Names follow BART/Marian: `model.shared` (one vocabulary for source and target), `model.encoder`, `model.decoder`,
-`decoder.encoder_attn` (the cross-attention), `lm_head`, and `shift_tokens_right` for labels.
+Names follow BART/Marian: `model.shared` (one vocabulary for source and target, tied to `model.encoder.embed_tokens`
+and `model.decoder.embed_tokens`), `model.encoder`, `model.decoder`, `decoder.encoder_attn` (the cross-attention),
+`lm_head`, and `shift_tokens_right` for labels. The bare model's forward, the head (loss, output, the cache
+`generate` starts) and the embeddings' ties are every translator's, in `translator_zoo.py`; this file is the network.
 
 This module is copied next to every saved checkpoint (remote code), so it imports only torch, transformers and its
-sibling modules. It is longer than the project's ~600-line guide because it is one whole model read top to bottom
-(config, encoder, the two attentions, decoder, cache, heads), as every variant is one file: it shares no backbone
-with the Transformer models that a split would let it import.
+sibling modules.
 """
 
 import math
