@@ -8,7 +8,7 @@ from test_translators import source_batch, target_batch, tiny_translator
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
 from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
-from hf_attn_zoo.models.rnn import ZooRNNConfig, ZooRNNForConditionalGeneration
+from hf_attn_zoo.models.rnn import ZooRNNConfig, ZooRNNForConditionalGeneration, tied_embedding
 
 import references
 from conftest import ATOL
@@ -108,3 +108,20 @@ def test_a_checkpoint_of_the_wrong_shape_is_refused(tmp_path):
     config.rnn_hidden_size = 10
     with pytest.raises(ValueError, match="rnn_hidden_size"):
         ZooRNNForConditionalGeneration.from_pretrained(tmp_path, config=config)
+
+
+def test_the_tied_embeddings_draw_no_random_numbers():
+    """`encoder.embed_tokens` and `decoder.embed_tokens` take `shared`'s weight: building and initialising them draws
+    nothing, so a seed gives the weights it gave when both sides read `shared` itself (the RNNs after them
+    included)."""
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    model = tiny_translator("rnn-luong-gru")
+    embedding = tied_embedding(model.config)
+    model._init_weights(embedding)
+    assert not torch.equal(torch.rand(3), expected)  # the model itself draws (control)
+    torch.manual_seed(0)
+    embedding = tied_embedding(model.config)
+    model._init_weights(embedding)
+    assert torch.equal(torch.rand(3), expected)

@@ -250,6 +250,16 @@ class ZooRNNCache(ZooStateCache):
         super().__init__(num_layers=1)
 
 
+def tied_embedding(config: ZooRNNConfig) -> nn.Embedding:
+    """An encoder's or decoder's `embed_tokens`, whose weight transformers ties to `model.shared`'s: neither built nor
+    initialised with random numbers (`_init_weights` passes it over), so that a seed initialises the model as it did
+    when both sides read `shared` itself."""
+    weight = torch.empty(config.vocab_size, config.hidden_size)  # (V, d), replaced by the tie
+    embedding = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id, _weight=weight)
+    embedding.tied_to_shared = True
+    return embedding
+
+
 class ZooRNNEncoder(nn.Module):
     """The source embedding and the (bidirectional) encoder RNN, run on packed sequences."""
 
@@ -262,7 +272,7 @@ class ZooRNNEncoder(nn.Module):
         super().__init__()
         self.config = config
         self.dropout = config.dropout
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.embed_tokens = tied_embedding(config)
         self.rnn = RNN_CLASSES[config.cell](
             config.hidden_size,
             config.rnn_hidden_size,
@@ -324,7 +334,7 @@ class ZooRNNDecoder(nn.Module):
         self.state_size = config.rnn_hidden_size
         self.bidirectional_encoder = config.bidirectional_encoder
         self.dropout = config.dropout
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.embed_tokens = tied_embedding(config)
         encoder_size = config.encoder_output_size
         self.bridge = nn.Linear(encoder_size, config.num_layers * config.rnn_hidden_size)
         if config.cell == "lstm":
@@ -478,6 +488,8 @@ class ZooRNNPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        if getattr(module, "tied_to_shared", False):
+            return  # its weight is `shared`'s, initialised there
         super()._init_weights(module)  # normal(initializer_range) for embeddings and linear maps, zero biases
         if isinstance(module, nn.RNNBase):  # PyTorch's own RNN initialisation, which transformers does not know
             bound = 1.0 / math.sqrt(module.hidden_size)
