@@ -354,3 +354,86 @@ def seq2seq_logits(model, input_ids, attention_mask, decoder_input_ids, attentio
         y = y + cross_attention(layer.encoder_attn, layer.encoder_attn_layer_norm(y), memory, attention_mask)
         y = y + layer.mlp(layer.post_attention_layernorm(y))
     return model.lm_head(decoder.norm(y))
+
+
+# --- the RNN translator (`zoo_rnn`): cells stepped by hand, one row and one position at a time -----------------
+
+
+def rnn_cell_of(rnn: torch.nn.RNNBase, layer: int, reverse: bool = False) -> torch.nn.RNNCellBase:
+    """The `torch.nn.GRUCell`/`LSTMCell` holding one layer (and direction) of `rnn`'s weights."""
+    suffix = f"_l{layer}" + ("_reverse" if reverse else "")
+    input_size = rnn.input_size if layer == 0 else rnn.hidden_size * (2 if rnn.bidirectional else 1)
+    cell = (torch.nn.LSTMCell if isinstance(rnn, torch.nn.LSTM) else torch.nn.GRUCell)(input_size, rnn.hidden_size)
+    for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+        getattr(cell, name).data.copy_(getattr(rnn, name + suffix))
+    return cell
+
+
+def rnn_cell_step(cell: torch.nn.RNNCellBase, x: torch.Tensor, state):
+    """One cell step on one row; the state is h (GRU) or (h, c) (LSTM)."""
+    if isinstance(cell, torch.nn.LSTMCell):
+        h, c = cell(x[None], (state[0][None], state[1][None]))
+        return h[0], (h[0], c[0])
+    h = cell(x[None], state[None])[0]
+    return h, h
+
+
+def rnn_encoder(model, tokens: list[int]) -> torch.Tensor:
+    """The encoder outputs (n, E) of one source without padding."""
+    config, rnn = model.config, model.model.encoder.rnn
+    zeros = torch.zeros(config.rnn_hidden_size)
+    layer_inputs = [model.model.shared.weight[token] for token in tokens]
+    for layer in range(config.num_layers):
+        directions = []
+        for reverse in (False, True)[: 1 + config.bidirectional_encoder]:
+            cell = rnn_cell_of(rnn, layer, reverse)
+            state = (zeros, zeros) if config.cell == "lstm" else zeros
+            outputs = []
+            for x in reversed(layer_inputs) if reverse else layer_inputs:
+                h, state = rnn_cell_step(cell, x, state)
+                outputs.append(h)
+            directions.append(outputs[::-1] if reverse else outputs)
+        layer_inputs = [torch.cat(states) for states in zip(*directions)]
+    return torch.stack(layer_inputs)
+
+
+def rnn_logits(model, source: list[int], target: list[int]) -> torch.Tensor:
+    """Logits (T, V) of one source/target pair, every formula written out."""
+    config, decoder = model.config, model.model.decoder
+    size, layers = config.rnn_hidden_size, config.num_layers
+    memory = rnn_encoder(model, source)  # (n, E)
+    summary = memory[-1, :size]
+    if config.bidirectional_encoder:  # the forward direction's last state, the backward direction's first
+        summary = torch.cat([summary, memory[0, size:]])
+    hidden = torch.tanh(decoder.bridge.weight @ summary + decoder.bridge.bias).view(layers, size)
+    states = list(hidden)
+    if config.cell == "lstm":
+        cells = (decoder.bridge_cell.weight @ summary + decoder.bridge_cell.bias).view(layers, size)
+        states = list(zip(hidden, cells))
+    layer_cells = [rnn_cell_of(decoder.rnn, layer) for layer in range(layers)]
+
+    def attend(scores: list[torch.Tensor]) -> torch.Tensor:
+        weights = torch.softmax(torch.stack(scores), dim=0)
+        return sum(weight * h_j for weight, h_j in zip(weights, memory))
+
+    logits = []
+    for token in target:
+        x = model.model.shared.weight[token]
+        top = states[-1][0] if config.cell == "lstm" else states[-1]
+        if config.attention == "bahdanau":  # e_tj = v^T tanh(W s_{t-1} + U h_j), the context into the RNN
+            attention = decoder.encoder_attn
+            scores = [
+                attention.v.weight[0] @ torch.tanh(attention.query_proj.weight @ top + attention.key_proj.weight @ h_j)
+                for h_j in memory
+            ]
+            context = attend(scores)
+            x = torch.cat([x, context])
+        for layer in range(layers):
+            x, states[layer] = rnn_cell_step(layer_cells[layer], x, states[layer])
+        s = x
+        if config.attention == "luong":  # e_tj = s_t^T W_a h_j, after the step
+            context = attend([s @ (decoder.encoder_attn.key_proj.weight @ h_j) for h_j in memory])
+        features = s if config.attention == "none" else torch.cat([context, s])
+        attentional = torch.tanh(decoder.output_proj.weight @ features + decoder.output_proj.bias)
+        logits.append(model.lm_head.weight @ attentional)
+    return torch.stack(logits)

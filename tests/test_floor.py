@@ -39,6 +39,7 @@ FLOOR_TESTS = [
     "tests/test_checkpoints.py",
     "tests/test_seq2seq.py",
     "tests/test_rnn.py",
+    "tests/test_translators.py",
     "tests/test_floor.py",
 ]
 

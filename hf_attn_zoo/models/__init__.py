@@ -210,15 +210,19 @@ SEQ2SEQ: dict[str, ZooSeq2SeqModel] = {}
 def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
     """Add a sequence-to-sequence model to `SEQ2SEQ` under its model type without `zoo_` (`zoo_rnn` -> `rnn`,
     `zoo_gqa` -> `gqa` for the GQA encoder-decoder), register its config, base model (`generation_class.model_class`)
-    and itself with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM`, and mark them for `trust_remote_code`
-    saving. A variant's encoder-decoder shares the variant's config class, which `AutoModel` keeps mapping to the
-    decoder-only base model (one class per config class); that one hands encoder-decoder configs on."""
+    and itself with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM` (a variant's encoder with
+    `AutoModelForTextEncoding`), and mark them for `trust_remote_code` saving. A variant's encoder-decoder shares
+    the variant's config class, which `AutoModel` keeps mapping to the decoder-only base model (one class per config
+    class); that one hands encoder-decoder configs on."""
     entry = ZooSeq2SeqModel(generation_class.config_class.model_type.removeprefix("zoo_"), generation_class)
     variant = VARIANTS.get(entry.name)
     if entry.name in SEQ2SEQ or (variant is not None and variant.config_class is not entry.config_class):
         raise ValueError(f"model {entry.name!r} is already registered")
+    heads = {"AutoModelForSeq2SeqLM": generation_class}
+    if variant is not None:  # the encoder alone, as transformers' T5EncoderModel
+        heads["AutoModelForTextEncoding"] = variant.model_class.encoder_class
     # a variant's encoder-decoder shares its config class, which AutoModel keeps mapping to the decoder's base model
-    register_auto_classes(entry, {"AutoModelForSeq2SeqLM": generation_class}, map_auto_model=variant is None)
+    register_auto_classes(entry, heads, map_auto_model=variant is None)
     SEQ2SEQ[entry.name] = entry
     return entry
 

@@ -103,4 +103,6 @@ class ZooAdditiveModel(ZooModel):
     ZooAdditiveForTokenClassification,
     ZooAdditiveForQuestionAnswering,
 ) = variant_heads(ZooAdditiveModel)
-ZooAdditiveSeq2SeqModel, ZooAdditiveForConditionalGeneration = seq2seq_classes(ZooAdditiveModel)
+ZooAdditiveEncoder, ZooAdditiveDecoder, ZooAdditiveSeq2SeqModel, ZooAdditiveForConditionalGeneration = seq2seq_classes(
+    ZooAdditiveModel
+)

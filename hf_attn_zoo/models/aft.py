@@ -238,7 +238,9 @@ class ZooAFTFullModel(ZooModel):
     ZooAFTFullForTokenClassification,
     ZooAFTFullForQuestionAnswering,
 ) = variant_heads(ZooAFTFullModel)
-ZooAFTFullSeq2SeqModel, ZooAFTFullForConditionalGeneration = seq2seq_classes(ZooAFTFullModel)
+ZooAFTFullEncoder, ZooAFTFullDecoder, ZooAFTFullSeq2SeqModel, ZooAFTFullForConditionalGeneration = seq2seq_classes(
+    ZooAFTFullModel
+)
 
 
 class ZooAFTLocalModel(ZooModel):
@@ -252,7 +254,9 @@ class ZooAFTLocalModel(ZooModel):
     ZooAFTLocalForTokenClassification,
     ZooAFTLocalForQuestionAnswering,
 ) = variant_heads(ZooAFTLocalModel)
-ZooAFTLocalSeq2SeqModel, ZooAFTLocalForConditionalGeneration = seq2seq_classes(ZooAFTLocalModel)
+ZooAFTLocalEncoder, ZooAFTLocalDecoder, ZooAFTLocalSeq2SeqModel, ZooAFTLocalForConditionalGeneration = seq2seq_classes(
+    ZooAFTLocalModel
+)
 
 
 class ZooAFTSimpleModel(ZooModel):
@@ -266,4 +270,6 @@ class ZooAFTSimpleModel(ZooModel):
     ZooAFTSimpleForTokenClassification,
     ZooAFTSimpleForQuestionAnswering,
 ) = variant_heads(ZooAFTSimpleModel)
-ZooAFTSimpleSeq2SeqModel, ZooAFTSimpleForConditionalGeneration = seq2seq_classes(ZooAFTSimpleModel)
+ZooAFTSimpleEncoder, ZooAFTSimpleDecoder, ZooAFTSimpleSeq2SeqModel, ZooAFTSimpleForConditionalGeneration = (
+    seq2seq_classes(ZooAFTSimpleModel)
+)

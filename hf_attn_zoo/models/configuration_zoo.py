@@ -395,8 +395,13 @@ def default_intermediate_size(hidden_size: int, mlp_type: str) -> int:
     return 4 * hidden_size
 
 
+def is_int(value) -> bool:
+    """An integer that is not a bool (a config field's `True` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return is_int(value) and value > 0
 
 
 def check_choice(field: str, value, choices: tuple[str, ...], owner: str | None = None) -> None:

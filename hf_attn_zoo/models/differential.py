@@ -196,4 +196,9 @@ class ZooDifferentialModel(ZooModel):
     ZooDifferentialForTokenClassification,
     ZooDifferentialForQuestionAnswering,
 ) = variant_heads(ZooDifferentialModel)
-ZooDifferentialSeq2SeqModel, ZooDifferentialForConditionalGeneration = seq2seq_classes(ZooDifferentialModel)
+(
+    ZooDifferentialEncoder,
+    ZooDifferentialDecoder,
+    ZooDifferentialSeq2SeqModel,
+    ZooDifferentialForConditionalGeneration,
+) = seq2seq_classes(ZooDifferentialModel)

@@ -12,6 +12,7 @@ Like the backbone it travels next to every saved checkpoint (remote code), so it
 its flat siblings.
 """
 
+import copy
 import inspect
 from typing import ClassVar
 
@@ -44,6 +45,8 @@ __all__ = [
     "ZooForSequenceClassification",
     "ZooForTokenClassification",
     "ZooHead",
+    "VariantClass",
+    "variant_class",
     "variant_heads",
 ]
 
@@ -70,27 +73,58 @@ def take_answers_of(cls: type, base: type[ZooModel]) -> None:
     cls._is_stateful = base.attention_class.decodes_from_state()
 
 
-class ZooHead(ZooPreTrainedModel):
+class VariantClass:
+    """A top-level class over a variant's `ZooModel` (a head, an encoder-decoder): a subclass that names its
+    `base_model_class` takes the answers transformers reads off it (`take_answers_of`)."""
+
+    base_model_class: type[ZooModel]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        if (base := cls.__dict__.get("base_model_class")) is not None:
+            take_answers_of(cls, base)
+        super().__init_subclass__(**kwargs)
+
+
+def variant_class(kind: type, model_class: type[ZooModel], suffix: str | None = None, /, **namespace) -> type:
+    """The class of `kind` over the variant of `model_class`, named after it (`ZooMHAModel` and `ZooForCausalLM` ->
+    `ZooMHAForCausalLM`; `suffix` names it otherwise) and placed in its module, so that `auto_map`, remote-code
+    loading (which imports the variant file and reads the class by name), pickling and the Auto classes find it
+    there. A `VariantClass` kind (a head, an encoder-decoder) gets `model_class` as its `base_model_class`; any other
+    kind (`ZooEncoder`, `ZooDecoder`) is mixed into a subclass of `model_class`. Every variant's classes of a kind are
+    the same class body, so they are built here, once, from `variant_heads` and `seq2seq_classes`."""
+    name = model_class.__name__.removesuffix("Model") + (suffix or kind.__name__.removeprefix("Zoo"))
+    if issubclass(kind, VariantClass):
+        bases = (kind, GenerationMixin) if issubclass(kind, GenerationMixin) else (kind,)
+        namespace["base_model_class"] = model_class
+    else:
+        bases = (kind, model_class)
+    namespace |= {
+        "__module__": model_class.__module__,
+        "__qualname__": name,
+        "__doc__": f"`{kind.__name__}` of `{model_class.__name__}`'s variant.",
+    }
+    return type(model_class)(name, bases, namespace)
+
+
+class ZooHead(VariantClass, ZooPreTrainedModel):
     """A variant's base model (`self.model`) under a head. A variant's head class names its `base_model_class`; that
     makes it the variant's head for `auto_class` (listed in `base_model_class.heads`, so in a checkpoint's
     `auto_map`) and gives it the base model's config class and backend flags."""
 
     auto_class: ClassVar[str]
-    base_model_class: type[ZooModel]
 
     def __init_subclass__(cls, **kwargs) -> None:
-        base = cls.__dict__.get("base_model_class")
-        if base is not None:
-            take_answers_of(cls, base)
         super().__init_subclass__(**kwargs)
-        if base is not None:
+        if (base := cls.__dict__.get("base_model_class")) is not None:
             base.heads[cls.auto_class] = cls
 
     def _build_base_model(self, config: ZooConfig) -> None:
         """`self.model`, built directly: transformers' generic heads go through `AutoModel.from_config`, which does
-        not know the variant when the checkpoint is loaded as remote code."""
+        not know the variant when the checkpoint is loaded as remote code. A cross-attending config (a decoder under
+        `EncoderDecoderModel`) gets the variant's decoder class, which records the cross-attention weights."""
         ZooPreTrainedModel.__init__(self, config)
-        self.model = self.base_model_class(config)
+        cross = config.add_cross_attention and self.base_model_class.decoder_class is not None
+        self.model = (self.base_model_class.decoder_class if cross else self.base_model_class)(config)
         self.model.inside_head = True
 
 
@@ -146,6 +180,39 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         base = cls.__dict__.get("base_model_class")
         if base is not None:
             base.causal_lm_class = cls
+
+    # a translator checkpoint's names for its decoder's tensors (its encoder's are not the decoder's)
+    translator_key_mapping: ClassVar[dict[str, str]] = {
+        r"^model\.decoder\.": "model.",
+        r"^model\.shared\.": "model.embed_tokens.",
+    }
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """As `PreTrainedModel.from_pretrained`; a translator checkpoint (`is_encoder_decoder=True`, as `AutoModel...`
+        passes its config) gives its decoder alone, as BART's checkpoints give `BartForCausalLM`: the decoder's
+        `decoder_layers` layers with their cross-attention (`add_cross_attention=True`: it reads
+        `encoder_hidden_states`, under transformers' `EncoderDecoderModel` or beside the translator's encoder), the
+        shared embedding and the head."""
+        config = kwargs.get("config")
+        if config is None:  # the checkpoint's own, read as a plain dict first: only a translator's is rebuilt here
+            names = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "gguf_file")
+            hub = {name: kwargs[name] for name in names if name in kwargs}
+            try:
+                translator = cls.config_class.get_config_dict(pretrained_model_name_or_path, **hub)[0].get(
+                    "is_encoder_decoder"
+                )
+            except OSError:  # no config to read: transformers' own loading below says so
+                translator = False
+            if translator:
+                config = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub)
+        if isinstance(config, ZooConfig) and config.is_encoder_decoder:
+            config = copy.deepcopy(config)
+            config.num_hidden_layers = config.decoder_layers or config.num_hidden_layers
+            config.is_encoder_decoder, config.is_decoder, config.add_cross_attention = False, True, True
+            kwargs["config"] = config
+            kwargs.setdefault("key_mapping", cls.translator_key_mapping)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def __init__(self, config: ZooConfig) -> None:
         if not config.is_decoder and not config.is_encoder_decoder:
@@ -295,27 +362,10 @@ def variant_heads(model_class: type[ZooModel]) -> tuple[type[ZooHead], ...]:
     bind under their names: `ZooXForCausalLM, ZooXForSequenceClassification, ZooXForTokenClassification,
     ZooXForQuestionAnswering = variant_heads(ZooXModel)`.
 
-    Every head of every variant is the same class body with another `base_model_class`, so it is built here once. A
-    head is named after the model class (`ZooXModel` -> `ZooXForCausalLM`) and placed in the model's module, so that
-    `auto_map`, remote-code loading (which imports the variant file and reads the class by name), pickling and the
-    Auto classes find it there. A variant whose head needs behaviour of its own declares it by hand, with
+    Each is built by `variant_class`. A variant whose head needs behaviour of its own declares it by hand, with
     `base_model_class` set, before calling this: a kind the model already has is returned as declared."""
-    prefix = model_class.__name__.removesuffix("Model")  # ZooMHAModel -> ZooMHA
-    heads = []
-    for kind in HEAD_KINDS:
-        head = model_class.heads.get(kind.auto_class)
-        if head is None:
-            name = prefix + kind.__name__.removeprefix("Zoo")  # ZooForCausalLM -> ZooMHAForCausalLM
-            bases = (kind, GenerationMixin) if issubclass(kind, GenerationMixin) else (kind,)
-            namespace = {
-                "base_model_class": model_class,
-                "__module__": model_class.__module__,
-                "__qualname__": name,
-                "__doc__": f"`{kind.__name__}` over `{model_class.__name__}`.",
-            }
-            head = type(kind)(name, bases, namespace)  # ZooHead.__init_subclass__ lists it in model_class.heads
-        heads.append(head)
-    return tuple(heads)
+    # ZooHead.__init_subclass__ lists each new head in model_class.heads
+    return tuple(model_class.heads.get(kind.auto_class) or variant_class(kind, model_class) for kind in HEAD_KINDS)
 
 
 # Classes registered with `register_for_auto_class` count as remote code, for which `generate` runs

@@ -282,9 +282,7 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`, each branch with residual dropout.
 
     With `cross_attention` (a decoder of an encoder-decoder) a third branch sits between the two, as in Vaswani et
-    al. 2017: `x + encoder_attn(encoder_attn_layer_norm(x), encoder outputs)`. With `causal=False` (an encoder layer)
-    the self-attention is told so (`is_causal`, which transformers' sdpa reads when no mask is needed); its mask
-    carries the rest."""
+    al. 2017: `x + encoder_attn(encoder_attn_layer_norm(x), encoder outputs)`. `ZooEncoderLayer` is the encoder's."""
 
     sized_by: ClassVar[dict[str, str]] = {
         "input_layernorm": "hidden_size",
@@ -321,16 +319,17 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask=None,
+        encoder_hidden_states: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: Cache | None = None,
-        encoder_hidden_states: torch.Tensor | None = None,
         cross_attention_mask=None,
         cross_cache: EncoderDecoderCache | None = None,
-        cross_attentions: list | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         """`cache` is the self-attention's (an `EncoderDecoderCache`'s `self_attention_cache`); the cross-attention
-        reads and fills `cross_cache`, and appends its weights to `cross_attentions` when that list is given."""
+        reads and fills `cross_cache`. The tensors that carry gradients come positionally (`hidden_states`,
+        `encoder_hidden_states`), as BART's layers take them: gradient checkpointing with `use_reentrant=True` passes
+        only positional arguments through its checkpoint, and a keyword tensor would be backpropagated twice."""
         # keywords, as Llama's layer passes them: hooks registered `with_kwargs` (kvpress) find `hidden_states`, and
         # the cache under this transformers release's name for it
         attn_output, _ = self.self_attn(
@@ -342,17 +341,25 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         )
         hidden_states = hidden_states + self._dropout(attn_output)
         if self.encoder_attn is not None:
-            cross_output, weights = self.encoder_attn(
+            # its weights are recorded by transformers' output capturing (`_can_record_outputs`), as BART's
+            cross_output, _ = self.encoder_attn(
                 self.encoder_attn_layer_norm(hidden_states),
                 encoder_hidden_states,
                 cross_attention_mask,
                 cross_cache,
-                output_attentions=cross_attentions is not None,
+                output_attentions=bool(kwargs.get("output_attentions")),
             )
             hidden_states = hidden_states + self._dropout(cross_output)
-            if cross_attentions is not None:
-                cross_attentions.append(weights)
         return hidden_states + self._dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout else x
+
+
+class ZooEncoderLayer(ZooDecoderLayer):
+    """An encoder layer, as BART's `BartEncoderLayer`: the pre-norm block over the variant's bidirectional
+    self-attention (`is_causal=False`, which transformers' sdpa reads when no mask is needed; the mask carries the
+    rest), no cross-attention. Parameter names are the decoder layer's (`self_attn`, `mlp`, the two norms)."""
+
+    def __init__(self, config: ZooConfig, layer_idx: int, attention_class: type[ZooAttention]) -> None:
+        super().__init__(config, layer_idx, attention_class, cross_attention=False, causal=False)

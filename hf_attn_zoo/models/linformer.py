@@ -320,4 +320,6 @@ class ZooLinformerForCausalLM(ZooForCausalLM, GenerationMixin):
     ZooLinformerForTokenClassification,
     ZooLinformerForQuestionAnswering,
 ) = variant_heads(ZooLinformerModel)
-ZooLinformerSeq2SeqModel, ZooLinformerForConditionalGeneration = seq2seq_classes(ZooLinformerModel)
+ZooLinformerEncoder, ZooLinformerDecoder, ZooLinformerSeq2SeqModel, ZooLinformerForConditionalGeneration = (
+    seq2seq_classes(ZooLinformerModel)
+)

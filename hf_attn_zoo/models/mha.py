@@ -264,7 +264,7 @@ class ZooMHAModel(ZooMHAFamilyModel):
 ZooMHAForCausalLM, ZooMHAForSequenceClassification, ZooMHAForTokenClassification, ZooMHAForQuestionAnswering = (
     variant_heads(ZooMHAModel)
 )
-ZooMHASeq2SeqModel, ZooMHAForConditionalGeneration = seq2seq_classes(ZooMHAModel)
+ZooMHAEncoder, ZooMHADecoder, ZooMHASeq2SeqModel, ZooMHAForConditionalGeneration = seq2seq_classes(ZooMHAModel)
 
 
 class ZooGQAModel(ZooMHAFamilyModel):
@@ -274,7 +274,7 @@ class ZooGQAModel(ZooMHAFamilyModel):
 ZooGQAForCausalLM, ZooGQAForSequenceClassification, ZooGQAForTokenClassification, ZooGQAForQuestionAnswering = (
     variant_heads(ZooGQAModel)
 )
-ZooGQASeq2SeqModel, ZooGQAForConditionalGeneration = seq2seq_classes(ZooGQAModel)
+ZooGQAEncoder, ZooGQADecoder, ZooGQASeq2SeqModel, ZooGQAForConditionalGeneration = seq2seq_classes(ZooGQAModel)
 
 
 class ZooMQAModel(ZooMHAFamilyModel):
@@ -284,7 +284,7 @@ class ZooMQAModel(ZooMHAFamilyModel):
 ZooMQAForCausalLM, ZooMQAForSequenceClassification, ZooMQAForTokenClassification, ZooMQAForQuestionAnswering = (
     variant_heads(ZooMQAModel)
 )
-ZooMQASeq2SeqModel, ZooMQAForConditionalGeneration = seq2seq_classes(ZooMQAModel)
+ZooMQAEncoder, ZooMQADecoder, ZooMQASeq2SeqModel, ZooMQAForConditionalGeneration = seq2seq_classes(ZooMQAModel)
 
 
 class ZooSingleHeadModel(ZooMHAFamilyModel):
@@ -297,4 +297,6 @@ class ZooSingleHeadModel(ZooMHAFamilyModel):
     ZooSingleHeadForTokenClassification,
     ZooSingleHeadForQuestionAnswering,
 ) = variant_heads(ZooSingleHeadModel)
-ZooSingleHeadSeq2SeqModel, ZooSingleHeadForConditionalGeneration = seq2seq_classes(ZooSingleHeadModel)
+ZooSingleHeadEncoder, ZooSingleHeadDecoder, ZooSingleHeadSeq2SeqModel, ZooSingleHeadForConditionalGeneration = (
+    seq2seq_classes(ZooSingleHeadModel)
+)

@@ -352,4 +352,4 @@ class ZooMLAModel(ZooModel):
 ZooMLAForCausalLM, ZooMLAForSequenceClassification, ZooMLAForTokenClassification, ZooMLAForQuestionAnswering = (
     variant_heads(ZooMLAModel)
 )
-ZooMLASeq2SeqModel, ZooMLAForConditionalGeneration = seq2seq_classes(ZooMLAModel)
+ZooMLAEncoder, ZooMLADecoder, ZooMLASeq2SeqModel, ZooMLAForConditionalGeneration = seq2seq_classes(ZooMLAModel)

@@ -4,9 +4,9 @@ A variant contributes its attention module, a `ZooAttention` subclass; everythin
 (norms, the MLP, the attention protocol, the pre-norm decoder layer) in `layers_zoo.py`, and here the shared model
 class (initialisation, loading, saving) and `ZooModel` (embeddings, positions, masks, layers, final norm); the
 heads on it (causal LM, sequence and token classification, question answering) are in `heads_zoo.py`. The same
-`ZooModel` is the encoder of an encoder-decoder (`role="encoder"`: the variant's bidirectional form) and its decoder
-(`role="decoder"`: the causal form with a cross-attention in every layer, `cross_attention_zoo.py`);
-`seq2seq_zoo.py` puts the two together. Module layout and parameter
+`ZooModel` is the encoder of an encoder-decoder (`ZooEncoder`, of `ZooEncoderLayer`s: the variant's bidirectional form)
+and its decoder (`ZooDecoder`: the causal form with a cross-attention in every layer, `cross_attention_zoo.py`);
+`seq2seq_zoo.py` builds a variant's two and puts them together. Module layout and parameter
 names are Llama's (`model.embed_tokens`, `model.layers.N.self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`,
 `lm_head`), so a Llama state dict loads unchanged into the MHA family.
 
@@ -38,7 +38,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, logging
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_zoo import ZooStateCache
 from .cards_zoo import write_card
@@ -55,6 +55,7 @@ from .layers_zoo import (
     BACKENDS,
     ZooAttention,
     ZooDecoderLayer,
+    ZooEncoderLayer,
     ZooLearnedPositions,
     ZooModule,
     ZooScaledEmbedding,
@@ -63,7 +64,7 @@ from .layers_zoo import (
 from .masks_zoo import attention_mask_for, cross_attention_mask, encoder_mask_for
 from .positions_zoo import ZooRotaryEmbedding, default_position_ids, sinusoidal_embedding
 
-__all__ = ["ZooModel", "ZooPreTrainedModel"]
+__all__ = ["ZooDecoder", "ZooEncoder", "ZooModel", "ZooPreTrainedModel"]
 
 logger = logging.get_logger(__name__)
 
@@ -72,8 +73,10 @@ class ZooPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
     config: ZooConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["ZooDecoderLayer"]
+    _no_split_modules = ["ZooDecoderLayer", "ZooEncoderLayer"]
     _skip_keys_device_placement = [CACHE_KWARG]
+    # what transformers' output capturing records with output_hidden_states / output_attentions (`ZooDecoder` adds
+    # the cross-attention weights)
     _can_record_outputs = {"hidden_states": ZooDecoderLayer, "attentions": ZooAttention}
     # Set on each variant's classes from its attention's `backends` (`ZooModel.__init_subclass__`)
     _supports_sdpa = False
@@ -156,8 +159,8 @@ class ZooModel(ZooPreTrainedModel):
     """Embeddings, `num_hidden_layers` decoder layers built around `attention_class`, and the final norm. A variant's
     subclass names its `config_class` and `attention_class`; transformers' backend flags follow from the latter.
 
-    `role` is set by an encoder-decoder only (`seq2seq_zoo`): `"encoder"` builds `encoder_layers` layers of the
-    variant's bidirectional form, `"decoder"` `decoder_layers` causal layers with cross-attention. Without it the
+    `role` is set by the variant's `ZooEncoder` and `ZooDecoder` classes: `"encoder"` builds `encoder_layers` layers of
+    the variant's bidirectional form, `"decoder"` `decoder_layers` causal layers with cross-attention. Without it the
     model is the decoder-only language model, with cross-attention when the config says `add_cross_attention` (a
     decoder under another model's encoder, `EncoderDecoderModel`), or that model's encoder when the config says
     `is_decoder=False` (transformers' flag for the bidirectional form). A config with `is_encoder_decoder=True` is
@@ -166,6 +169,8 @@ class ZooModel(ZooPreTrainedModel):
     attention_class: type[ZooAttention]
     causal_lm_class = None  # the variant's ZooForCausalLM subclass, set by `ZooHead.__init_subclass__`
     seq2seq_model_class = None  # the variant's encoder-decoder base model, set by `seq2seq_zoo`
+    encoder_class = None  # the variant's `ZooEncoder` and `ZooDecoder` classes, set by `seq2seq_zoo`
+    decoder_class = None
     heads: ClassVar[dict[str, type]] = {}  # auto class name -> this variant's head of that kind (a `ZooHead`)
     inside_head = False  # set on the instance a head builds (see `returns_output_to_its_head`)
     sized_by: ClassVar[dict[str, str]] = {
@@ -222,7 +227,9 @@ class ZooModel(ZooPreTrainedModel):
         )
         self.layers = nn.ModuleList(
             [
-                ZooDecoderLayer(config, layer_idx, self.attention_class, has_cross, causal=not self.is_encoder)
+                ZooEncoderLayer(config, layer_idx, self.attention_class)
+                if self.is_encoder
+                else ZooDecoderLayer(config, layer_idx, self.attention_class, has_cross)
                 for layer_idx in range(num_layers)
             ]
         )
@@ -275,6 +282,8 @@ class ZooModel(ZooPreTrainedModel):
     def _from_config(cls, config: ZooConfig, **kwargs):
         if config.is_encoder_decoder and cls.seq2seq_model_class is not None:  # AutoModel.from_config
             return cls.seq2seq_model_class._from_config(config, **kwargs)
+        if config.add_cross_attention and cls.decoder_class is not None and cls is not cls.decoder_class:
+            return cls.decoder_class._from_config(config, **kwargs)  # records the cross-attention weights
         return super()._from_config(config, **kwargs)
 
     @takes_past_key_values
@@ -351,12 +360,14 @@ class ZooModel(ZooPreTrainedModel):
         cross = {}
         if self.cross_attention_class is not None:
             cross = self._cross_inputs(inputs_embeds, encoder_hidden_states, encoder_attention_mask, cross_cache)
-            cross["cross_attentions"] = [] if kwargs["output_attentions"] else None
+        encoder_hidden_states = cross.pop("encoder_hidden_states", None)
 
         for decoder_layer in self.layers:
+            # the tensors that carry gradients positionally, as BART passes them (see `ZooDecoderLayer.forward`)
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=causal_mask,
+                causal_mask,
+                encoder_hidden_states,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 **{CACHE_KWARG: cache},
@@ -366,12 +377,8 @@ class ZooModel(ZooPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if self.cross_attention_class is None:
             return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
-        weights = cross["cross_attentions"]
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states,
-            **{CACHE_KWARG: full_cache},
-            cross_attentions=tuple(weights) if weights is not None else None,
-        )
+        # the cross-attention weights are filled in by output capturing where they are recorded (`ZooDecoder`)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states, **{CACHE_KWARG: full_cache})
 
     def _cross_inputs(
         self,
@@ -437,7 +444,7 @@ class ZooModel(ZooPreTrainedModel):
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states,
-                attention_mask=mask,
+                mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
                 **kwargs,
@@ -485,3 +492,51 @@ class ZooModel(ZooPreTrainedModel):
                 f"position {longest} is beyond max_position_embeddings={self.config.max_position_embeddings} of the "
                 f"learned position table; shorten the input or build the model with a larger max_position_embeddings."
             )
+
+
+class ZooEncoder:
+    """A variant's encoder, as BART's `BartEncoder`: the embeddings, `encoder_layers` `ZooEncoderLayer`s of the
+    variant's bidirectional form, the final norm. `seq2seq_classes` builds it per variant over the variant's
+    `ZooModel` (`ZooXEncoder(ZooEncoder, ZooXModel)`).
+
+    It is also the encoder alone, as transformers' `T5EncoderModel` (`AutoModelForTextEncoding`): `from_pretrained`
+    of a translator checkpoint loads the encoder's weights out of it (`model.encoder.*`, the embedding from
+    `model.shared`), for embeddings and feature extraction."""
+
+    # a translator checkpoint's names for the encoder's tensors; its decoder and head are not the encoder's
+    translator_key_mapping: ClassVar[dict[str, str]] = {r"^model\.encoder\.": "", r"^model\.shared\.": "embed_tokens."}
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^model\.decoder\.", r"^lm_head\."]
+
+    def __init__(self, config: ZooConfig) -> None:
+        ZooModel.__init__(self, config, role="encoder")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        kwargs.setdefault("key_mapping", cls.translator_key_mapping)
+        return ZooPreTrainedModel.from_pretrained.__func__(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config: ZooConfig, **kwargs):
+        return ZooPreTrainedModel._from_config.__func__(cls, config, **kwargs)
+
+
+class ZooDecoder:
+    """A variant's decoder in an encoder-decoder, as BART's `BartDecoder`: the variant's causal layers, each with the
+    cross-attention `config.cross_attention` declares, over `decoder_layers` layers; also the decoder of a
+    cross-attending causal LM (`add_cross_attention=True`, under transformers' `EncoderDecoderModel`). Its
+    cross-attention weights are recorded as transformers records BART's (`OutputRecorder` on `encoder_attn`).
+    `seq2seq_classes` builds it per variant (`ZooXDecoder(ZooDecoder, ZooXModel)`)."""
+
+    _can_record_outputs: ClassVar[dict] = {
+        **ZooPreTrainedModel._can_record_outputs,
+        "cross_attentions": OutputRecorder(ZooCrossAttention, index=1, layer_name="encoder_attn"),
+    }
+
+    def __init__(self, config: ZooConfig) -> None:
+        ZooModel.__init__(self, config, role="decoder")
+
+    def unwindowed_config(self) -> ZooConfig:
+        """The config without a sliding window: what a cross-attention cache built from a config is built from."""
+        config = copy.copy(self.config)
+        config.sliding_window = None
+        return config

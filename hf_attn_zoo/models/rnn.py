@@ -27,16 +27,15 @@ every attention. The decoding cache (`ZooRNNCache`) holds the decoder RNN state 
 encoder outputs, their projected keys and the source mask: each step then costs one RNN step and one attention read,
 and beam search reorders all of it with the batch.
 
-Names follow BART/Marian: `model.shared` (one vocabulary for source and target), `model.encoder`, `model.decoder`,
-`decoder.encoder_attn` (the cross-attention), `lm_head`, and `shift_tokens_right` for labels.
+Names follow BART/Marian: `model.shared` (one vocabulary for source and target, tied to `model.encoder.embed_tokens`
+and `model.decoder.embed_tokens`), `model.encoder`, `model.decoder`, `decoder.encoder_attn` (the cross-attention),
+`lm_head`, and `shift_tokens_right` for labels. The bare model's forward, the head (loss, output, the cache
+`generate` starts) and the embeddings' ties are every translator's, in `translator_zoo.py`; this file is the network.
 
 This module is copied next to every saved checkpoint (remote code), so it imports only torch, transformers and its
-sibling modules. It is longer than the project's ~600-line guide because it is one whole model read top to bottom
-(config, encoder, the two attentions, decoder, cache, heads), as every variant is one file: it shares no backbone
-with the Transformer models that a split would let it import.
+sibling modules.
 """
 
-import inspect
 import math
 from typing import ClassVar
 
@@ -45,17 +44,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from transformers import initialization as init
-from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions
 from transformers.modeling_utils import PreTrainedModel
-from transformers.utils import can_return_tuple
 
 from .cache_zoo import ZooStateCache
 from .checkpoint_zoo import ShapeCheckedLoading, auto_map_for
-from .compat_zoo import CACHE_KWARG, ZooConfigBase, takes_past_key_values
-from .configuration_zoo import PresetConfig
-from .encoder_decoder_zoo import SharedEmbeddingModel, TranslatorHead, shift_tokens_right
+from .compat_zoo import CACHE_KWARG, ZooConfigBase
+from .configuration_zoo import PresetConfig, _is_positive_int, check_choice, is_int
+from .translator_zoo import ZooTranslatorForConditionalGeneration, ZooTranslatorModel, shift_tokens_right
 
 CELLS = ("gru", "lstm")
 ATTENTIONS = ("bahdanau", "luong", "none")
@@ -144,8 +141,7 @@ class ZooRNNConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConf
             value = getattr(self, name)
             if not _is_positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if self.cell not in CELLS:
-            raise ValueError(f"cell={self.cell!r} is not supported; use one of {list(CELLS)}.")
+        check_choice("cell", self.cell, CELLS)
         if self.attention not in ATTENTIONS:
             raise ValueError(
                 f"attention={self.attention!r} is not supported; use 'bahdanau' (additive, Bahdanau et al. 2015), "
@@ -166,19 +162,11 @@ class ZooRNNConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConf
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             for token in value if isinstance(value, list) else [value]:
-                if token is not None and not (_is_int(token) and 0 <= token < self.vocab_size):
+                if token is not None and not (is_int(token) and 0 <= token < self.vocab_size):
                     raise ValueError(
                         f"{name}={value!r} is not a token of the vocabulary (0 to vocab_size - 1 = "
                         f"{self.vocab_size - 1}); give the tokenizer's id or raise vocab_size."
                     )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_positive_int(value) -> bool:
-    return _is_int(value) and value > 0
 
 
 def run_packed(rnn: nn.RNNBase, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -262,6 +250,16 @@ class ZooRNNCache(ZooStateCache):
         super().__init__(num_layers=1)
 
 
+def tied_embedding(config: ZooRNNConfig) -> nn.Embedding:
+    """An encoder's or decoder's `embed_tokens`, whose weight transformers ties to `model.shared`'s: neither built nor
+    initialised with random numbers (`_init_weights` passes it over), so that a seed initialises the model as it did
+    when both sides read `shared` itself."""
+    weight = torch.empty(config.vocab_size, config.hidden_size)  # (V, d), replaced by the tie
+    embedding = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id, _weight=weight)
+    embedding.tied_to_shared = True
+    return embedding
+
+
 class ZooRNNEncoder(nn.Module):
     """The source embedding and the (bidirectional) encoder RNN, run on packed sequences."""
 
@@ -270,10 +268,11 @@ class ZooRNNEncoder(nn.Module):
         "rnn": "hidden_size, rnn_hidden_size, num_layers, cell, bidirectional_encoder",
     }
 
-    def __init__(self, config: ZooRNNConfig, embed_tokens: nn.Embedding) -> None:
+    def __init__(self, config: ZooRNNConfig) -> None:
         super().__init__()
+        self.config = config
         self.dropout = config.dropout
-        self.embed_tokens = embed_tokens
+        self.embed_tokens = tied_embedding(config)
         self.rnn = RNN_CLASSES[config.cell](
             config.hidden_size,
             config.rnn_hidden_size,
@@ -300,6 +299,8 @@ class ZooRNNEncoder(nn.Module):
             inputs_embeds = self.embed_tokens(input_ids)  # (B, S, d)
         if attention_mask is None:
             attention_mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+        if output_hidden_states is None:  # a flag left at None falls back to the config, as in transformers
+            output_hidden_states = self.config.output_hidden_states
         embeds = F.dropout(inputs_embeds, self.dropout, self.training)
         outputs = run_packed(self.rnn, embeds, attention_mask.bool())  # (B, S, E)
         hidden_states = (inputs_embeds, outputs) if output_hidden_states else None
@@ -310,7 +311,11 @@ class ZooRNNEncoder(nn.Module):
 
 class ZooRNNDecoder(nn.Module):
     """The target embedding, the bridge from the encoder's final state, the decoder RNN, the cross-attention
-    (`encoder_attn`) and the output layer whose result (B, T, hidden_size) the head reads."""
+    (`encoder_attn`) and the output layer whose result (B, T, hidden_size) the head reads.
+
+    Split as JoeyNMT's RNN decoder is: `start_state` (the state before the first target token, from the encoder),
+    `step` (one RNN step over the target tokens it can take at once, with its attention) and `forward` (reading and
+    writing the cache, and the loop over steps where the attention must see each state before the next)."""
 
     sized_by: ClassVar[dict[str, str]] = {
         "embed_tokens": "vocab_size, hidden_size",
@@ -320,15 +325,16 @@ class ZooRNNDecoder(nn.Module):
         "output_proj": "hidden_size, rnn_hidden_size, attention, bidirectional_encoder",
     }
 
-    def __init__(self, config: ZooRNNConfig, embed_tokens: nn.Embedding) -> None:
+    def __init__(self, config: ZooRNNConfig) -> None:
         super().__init__()
+        self.config = config
         self.attention = config.attention
         self.cell = config.cell
         self.num_layers = config.num_layers
         self.state_size = config.rnn_hidden_size
         self.bidirectional_encoder = config.bidirectional_encoder
         self.dropout = config.dropout
-        self.embed_tokens = embed_tokens
+        self.embed_tokens = tied_embedding(config)
         encoder_size = config.encoder_output_size
         self.bridge = nn.Linear(encoder_size, config.num_layers * config.rnn_hidden_size)
         if config.cell == "lstm":
@@ -347,10 +353,15 @@ class ZooRNNDecoder(nn.Module):
         features = config.rnn_hidden_size + (encoder_size if config.attention != "none" else 0)
         self.output_proj = nn.Linear(features, config.hidden_size)  # W_o / Luong's W_c over [c_t; s_t]
 
-    def initial_state(self, memory: torch.Tensor, source_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The decoder's start state from the encoder's top-layer final state: the forward direction's output at the
-        last real token, the backward direction's at the first. Read off the encoder outputs, so that precomputed
-        `encoder_outputs` are all the decoder needs."""
+    def make_cache(self) -> ZooRNNCache:
+        """An empty decoding cache; the first forward fills it."""
+        return ZooRNNCache()
+
+    def start_state(self, memory: torch.Tensor, source_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The decoder's state before the first target token: the source (`memory`, its attention `keys`,
+        `source_mask`) and the RNN state bridged from the encoder's top-layer final state (the forward direction's
+        output at the last real token, the backward direction's at the first). Read off the encoder outputs, so that
+        precomputed `encoder_outputs` are all the decoder needs."""
         batch, length, _ = memory.shape
         rows = torch.arange(batch, device=memory.device)
         last = length - 1 - source_mask.flip(1).long().argmax(dim=1)  # (B,) index of each row's last real token
@@ -358,86 +369,105 @@ class ZooRNNDecoder(nn.Module):
         if self.bidirectional_encoder:
             first = source_mask.long().argmax(dim=1)  # (B,) index of each row's first real token
             summary = torch.cat([summary, memory[rows, first, self.state_size :]], dim=-1)  # (B, 2D)
+        # (B, L * D) -> (B, L, D)
         state = {"hidden": torch.tanh(self.bridge(summary)).view(batch, self.num_layers, self.state_size)}
         if self.cell == "lstm":
             state["cell"] = self.bridge_cell(summary).view(batch, self.num_layers, self.state_size)  # (B, L, D)
+        if self.attention != "none":
+            state |= {"memory": memory, "keys": self.encoder_attn.project_keys(memory), "source_mask": source_mask}
         return state
 
-    def _rnn_state(self, state: dict[str, torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The cache's batch-first state as torch's RNN takes it: (L, B, D), a pair for the LSTM."""
-        hidden = state["hidden"].transpose(0, 1).contiguous()  # (B, L, D) -> (L, B, D)
-        if self.cell == "lstm":
-            return hidden, state["cell"].transpose(0, 1).contiguous()
-        return hidden
-
-    def _cache_state(self, rnn_state: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.cell == "lstm":
-            return {"hidden": rnn_state[0].transpose(0, 1), "cell": rnn_state[1].transpose(0, 1)}  # (B, L, D) each
-        return {"hidden": rnn_state.transpose(0, 1)}  # (L, B, D) -> (B, L, D)
+    def step(
+        self, embeds: torch.Tensor, rnn_state, state: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | tuple]:
+        """The RNN over `embeds` (B, T, d) from `rnn_state`, with the attention over the source in `state`: the
+        features (B, T, E + D or D) the output layer reads, the attention weights (B, T, S) or None, the new RNN
+        state. Bahdanau's attention reads the state before the step, so it takes one token (T = 1); Luong's reads the
+        RNN's outputs after it, and the RNN runs over the whole target at once."""
+        if self.attention == "bahdanau":
+            top = (rnn_state[0] if self.cell == "lstm" else rnn_state)[-1]  # (B, D): s_{t-1}, top layer
+            context, weights = self.encoder_attn(top[:, None, :], state["keys"], state["memory"], state["source_mask"])
+            outputs, rnn_state = self.rnn(torch.cat([embeds, context], dim=-1), rnn_state)  # (B, 1, D)
+            return torch.cat([context, outputs], dim=-1), weights, rnn_state  # (B, 1, E + D)
+        outputs, rnn_state = self.rnn(embeds, rnn_state)  # (B, T, D)
+        if self.attention == "none":
+            return outputs, None, rnn_state
+        context, weights = self.encoder_attn(outputs, state["keys"], state["memory"], state["source_mask"])
+        return torch.cat([context, outputs], dim=-1), weights, rnn_state  # (B, T, E + D)
 
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         cache: ZooRNNCache | None = None,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Output features (B, T, hidden_size), attention weights (B, T, S) or None, and the input embeddings.
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """Output features (B, T, hidden_size), the cache, the input embeddings and the features as hidden states,
+        the attention weights as one head's cross-attentions (B, 1, T, S).
 
-        Without a cache (or with an empty one) the state starts from `encoder_hidden_states`; with a filled cache it
-        continues from the cache, which then also provides the encoder outputs."""
+        `attention_mask` (the target's) is accepted for the Seq2Seq interface and not read: the decoder RNN is
+        causal, so right padding of the target changes nothing before it, and padded label positions are -100 for
+        the loss. Without a cache (or with an empty one) the state starts from `encoder_hidden_states`; with a filled
+        cache it continues from the cache, which then also provides the source."""
+        config = self.config
+        use_cache = use_cache if use_cache is not None else config.use_cache
+        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        )
+        if cache is not None and not isinstance(cache, ZooRNNCache):
+            raise TypeError(
+                f"zoo_rnn decodes from its RNN state and cannot use a {type(cache).__name__}; pass "
+                f"{CACHE_KWARG}=model.make_cache(), or let generate() create it."
+            )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of decoder_input_ids or decoder_inputs_embeds.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
+        if use_cache and cache is None:
+            cache = self.make_cache()
         layer = cache.layers[0] if cache is not None else None
         state = layer.read() if layer is not None else None
         if state is None:
             if encoder_hidden_states is None:
                 raise ValueError("The first decoding step needs the encoder: pass input_ids or encoder_outputs.")
-            memory = encoder_hidden_states
             if encoder_attention_mask is None:
-                encoder_attention_mask = torch.ones(memory.shape[:2], dtype=torch.bool, device=memory.device)
-            source_mask = encoder_attention_mask.bool()
-            keys = self.encoder_attn.project_keys(memory) if self.attention != "none" else None
-            state = self.initial_state(memory, source_mask)
-        else:
-            memory, keys, source_mask = state.get("memory"), state.get("keys"), state.get("source_mask")
-        rnn_state = self._rnn_state(state)
+                encoder_attention_mask = torch.ones(encoder_hidden_states.shape[:2], device=inputs_embeds.device)
+            state = self.start_state(encoder_hidden_states, encoder_attention_mask.bool())
+        hidden = state["hidden"].transpose(0, 1).contiguous()  # (B, L, D) -> (L, B, D), as torch's RNN takes it
+        rnn_state = (hidden, state["cell"].transpose(0, 1).contiguous()) if self.cell == "lstm" else hidden
         embeds = F.dropout(inputs_embeds, self.dropout, self.training)
 
-        weights = None
-        if self.attention == "bahdanau":
-            # the context of step t is scored from the state before it, so the steps run one by one
-            outputs, contexts, step_weights = [], [], []
-            for t in range(embeds.shape[1]):
-                top = (rnn_state[0] if self.cell == "lstm" else rnn_state)[-1]  # (B, D): s_{t-1}, top layer
-                context, step_weight = self.encoder_attn(top[:, None, :], keys, memory, source_mask)  # (B, 1, E)
-                step_input = torch.cat([embeds[:, t : t + 1], context], dim=-1)  # (B, 1, d + E)
-                output, rnn_state = self.rnn(step_input, rnn_state)  # (B, 1, D)
-                outputs.append(output)
-                contexts.append(context)
-                step_weights.append(step_weight)
-            rnn_outputs = torch.cat(outputs, dim=1)  # (B, T, D)
-            contexts = torch.cat(contexts, dim=1)  # (B, T, E)
-            weights = torch.cat(step_weights, dim=1)  # (B, T, S)
-            features = torch.cat([contexts, rnn_outputs], dim=-1)  # (B, T, E + D)
-        else:
-            rnn_outputs, rnn_state = self.rnn(embeds, rnn_state)  # (B, T, D)
-            features = rnn_outputs
-            if self.attention == "luong":
-                contexts, weights = self.encoder_attn(rnn_outputs, keys, memory, source_mask)  # (B, T, E)
-                features = torch.cat([contexts, rnn_outputs], dim=-1)  # (B, T, E + D)
+        # Bahdanau's context of step t is scored from the state before it, so the steps run one by one
+        steps = embeds.split(1, dim=1) if self.attention == "bahdanau" else (embeds,)
+        features, weights = [], []
+        for step_embeds in steps:
+            step_features, step_weights, rnn_state = self.step(step_embeds, rnn_state, state)
+            features.append(step_features)
+            weights.append(step_weights)
+        features = torch.cat(features, dim=1)  # (B, T, E + D or D)
+        weights = torch.cat(weights, dim=1) if self.attention != "none" else None  # (B, T, S)
         hidden = F.dropout(torch.tanh(self.output_proj(features)), self.dropout, self.training)  # (B, T, d)
 
         if layer is not None:
-            new_state = self._cache_state(rnn_state)
-            if self.attention != "none":
-                new_state |= {"memory": memory, "keys": keys, "source_mask": source_mask}
-            layer.write(new_state, embeds.shape[1])
-        return hidden, (weights if output_attentions else None), inputs_embeds
+            if self.cell == "lstm":  # (L, B, D) -> (B, L, D) each
+                new_rnn_state = {"hidden": rnn_state[0].transpose(0, 1), "cell": rnn_state[1].transpose(0, 1)}
+            else:
+                new_rnn_state = {"hidden": rnn_state.transpose(0, 1)}
+            layer.write(state | new_rnn_state, embeds.shape[1])
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden,
+            **{CACHE_KWARG: cache if use_cache else None},
+            hidden_states=(inputs_embeds, hidden) if output_hidden_states else None,
+            # one "head": (B, 1, T, S)
+            cross_attentions=(weights[:, None],) if output_attentions and weights is not None else None,
+        )
 
 
 class ZooRNNPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
@@ -446,6 +476,7 @@ class ZooRNNPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
+    _is_stateful = True  # decodes from an RNN state that cannot be rolled back: no assisted or prompt-lookup decoding
     _no_split_modules: ClassVar[list[str]] = ["ZooRNNEncoder", "ZooRNNDecoder"]
     _skip_keys_device_placement: ClassVar[list[str]] = [CACHE_KWARG]
     # the Auto classes besides AutoConfig/AutoModel that load this model (the registry and `auto_map` read it)
@@ -457,15 +488,13 @@ class ZooRNNPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        if getattr(module, "tied_to_shared", False):
+            return  # its weight is `shared`'s, initialised there
         super()._init_weights(module)  # normal(initializer_range) for embeddings and linear maps, zero biases
         if isinstance(module, nn.RNNBase):  # PyTorch's own RNN initialisation, which transformers does not know
             bound = 1.0 / math.sqrt(module.hidden_size)
             for parameter in module.parameters():
                 init.uniform_(parameter, -bound, bound)
-
-    def make_cache(self) -> ZooRNNCache:
-        """An empty decoding cache; the first forward fills it."""
-        return ZooRNNCache()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained` with an `auto_map` naming the config, the base model and the translator,
@@ -474,198 +503,25 @@ class ZooRNNPreTrainedModel(ShapeCheckedLoading, PreTrainedModel):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
-class ZooRNNModel(SharedEmbeddingModel, ZooRNNPreTrainedModel):
-    """The encoder and the decoder over one shared embedding (`model.shared`), returning the decoder's output
-    features; `ZooRNNForConditionalGeneration` adds the head."""
-
-    _tied_weights_keys: ClassVar[dict[str, str]] = {
-        "encoder.embed_tokens.weight": "shared.weight",
-        "decoder.embed_tokens.weight": "shared.weight",
-    }
+class ZooRNNModel(ZooTranslatorModel, ZooRNNPreTrainedModel):
+    """The encoder and the decoder over one vocabulary (`shared`, tied to both sides' `embed_tokens`), returning the
+    decoder's output features; `ZooRNNForConditionalGeneration` adds the head."""
 
     def __init__(self, config: ZooRNNConfig) -> None:
         super().__init__(config)
         self.shared = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.encoder = ZooRNNEncoder(config, self.shared)
-        self.decoder = ZooRNNDecoder(config, self.shared)
+        self.encoder = ZooRNNEncoder(config)
+        self.decoder = ZooRNNDecoder(config)
         self.post_init()
 
-    sized_by: ClassVar[dict[str, str]] = {"shared": "vocab_size, hidden_size"}
 
-    @takes_past_key_values
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        decoder_input_ids: torch.LongTensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-        encoder_outputs: BaseModelOutput | tuple | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        decoder_inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,  # consumed by @can_return_tuple: False returns a tuple
-        **kwargs,
-    ) -> Seq2SeqModelOutput:
-        r"""
-        decoder_attention_mask: accepted for the Seq2Seq interface and not read: the decoder RNN is causal, so right
-            padding of the target changes nothing before it, and padded label positions are -100 for the loss.
-        encoder_outputs: the encoder's output for these sources, reused instead of running the encoder again.
-        cache (`ZooRNNCache`): the decoding state; with one that is filled, only the new target tokens are given and
-            the encoder is not needed.
-        """
-        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        use_cache = use_cache if use_cache is not None else self.config.use_cache
-        if cache is not None and not isinstance(cache, ZooRNNCache):
-            raise TypeError(
-                f"zoo_rnn decodes from its RNN state and cannot use a {type(cache).__name__}; pass "
-                f"cache=model.make_cache(), or let generate() create it."
-            )
-        if use_cache and cache is None:
-            cache = self.make_cache()
-        cache_filled = cache is not None and cache.get_seq_length() > 0
-        if encoder_outputs is None and not cache_filled:
-            encoder_outputs = self.encoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                output_hidden_states=output_hidden_states,
-                return_dict=True,
-            )
-        elif isinstance(encoder_outputs, (tuple, list)):
-            encoder_outputs = BaseModelOutput(
-                last_hidden_state=encoder_outputs[0],
-                hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
-            )
-        hidden, weights, decoder_embeds = self.decoder(
-            input_ids=decoder_input_ids,
-            inputs_embeds=decoder_inputs_embeds,
-            encoder_hidden_states=encoder_outputs.last_hidden_state if encoder_outputs is not None else None,
-            encoder_attention_mask=attention_mask,
-            cache=cache,
-            output_attentions=output_attentions,
-        )
-        return Seq2SeqModelOutput(
-            last_hidden_state=hidden,
-            **{CACHE_KWARG: cache if use_cache else None},
-            decoder_hidden_states=(decoder_embeds, hidden) if output_hidden_states else None,
-            cross_attentions=(weights[:, None],) if weights is not None else None,  # (B, 1, T, S): one "head"
-            encoder_last_hidden_state=encoder_outputs.last_hidden_state if encoder_outputs is not None else None,
-            encoder_hidden_states=encoder_outputs.hidden_states if encoder_outputs is not None else None,
-        )
-
-
-class ZooRNNForConditionalGeneration(TranslatorHead, ZooRNNPreTrainedModel, GenerationMixin):
+class ZooRNNForConditionalGeneration(ZooTranslatorForConditionalGeneration, ZooRNNPreTrainedModel, GenerationMixin):
     """The translator: `ZooRNNModel` and a language-modelling head over the decoder's output features."""
 
     model_class: ClassVar[type[ZooRNNModel]] = ZooRNNModel
-    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "model.shared.weight"}
-    sized_by: ClassVar[dict[str, str]] = {"lm_head": "vocab_size, hidden_size"}
-
-    def __init__(self, config: ZooRNNConfig) -> None:
-        super().__init__(config)
-        self.model = ZooRNNModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def make_cache(self) -> ZooRNNCache:
-        return self.model.make_cache()
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs) -> None:
-        """`generate` would build transformers' key/value caches; this model decodes from its RNN state, so it
-        starts a `ZooRNNCache` instead and refuses cache implementations (static, quantized, offloaded) that
-        presuppose keys and values."""
-        cache = model_kwargs.get(CACHE_KWARG)
-        if cache is not None:
-            if not isinstance(cache, ZooRNNCache):
-                raise TypeError(
-                    f"zoo_rnn decodes from its RNN state and cannot use a {type(cache).__name__}; pass "
-                    f"{CACHE_KWARG}=model.make_cache(), or leave it to generate()."
-                )
-            cache._is_user_defined = True
-            return
-        if generation_config.use_cache is False:
-            return
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"zoo_rnn decodes from its RNN state, not from keys and values: cache_implementation="
-                f"{generation_config.cache_implementation!r} does not apply; leave it unset."
-            )
-        model_kwargs[CACHE_KWARG] = self.make_cache()
-
-    @takes_past_key_values
-    @can_return_tuple
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        decoder_input_ids: torch.LongTensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-        encoder_outputs: BaseModelOutput | tuple | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        decoder_inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,  # consumed by @can_return_tuple: False returns a tuple
-        **kwargs,
-    ) -> Seq2SeqLMOutput:
-        r"""
-        labels (`torch.LongTensor` of shape `(batch_size, target_length)`, *optional*): target tokens, -100 where
-            ignored. Without decoder inputs they are shifted right into them (`shift_tokens_right`), as BART does; the
-            loss is the mean cross-entropy over the labels that are not -100 (or their sum over
-            `num_items_in_batch`, which the Trainer passes under gradient accumulation).
-        """
-        if labels is not None:
-            use_cache = False  # training: no decoding state to keep
-            if decoder_input_ids is None and decoder_inputs_embeds is None:
-                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            decoder_input_ids=decoder_input_ids,
-            encoder_outputs=encoder_outputs,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            decoder_inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-        )
-        logits = self.lm_head(outputs.last_hidden_state)  # (B, T, vocab)
-        loss = None
-        if labels is not None:
-            flat_logits, flat_labels = logits.flatten(0, 1).float(), labels.to(logits.device).flatten()  # (B*T, V)
-            num_items = kwargs.get("num_items_in_batch")
-            if num_items is None:
-                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
-            else:
-                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum") / num_items
-        return Seq2SeqLMOutput(
-            loss=loss,
-            logits=logits,
-            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-        )
 
 
 ZooRNNModel.heads = {"AutoModelForSeq2SeqLM": ZooRNNForConditionalGeneration}
-
-# Classes registered with `register_for_auto_class` count as remote code, for which `generate` reads
-# `inspect.signature(self.forward)` at every decoding step: a precomputed signature makes that an attribute read.
-ZooRNNForConditionalGeneration.forward.__signature__ = inspect.signature(ZooRNNForConditionalGeneration.forward)
 
 __all__ = [
     "ZooRNNCache",

@@ -129,4 +129,9 @@ class ZooSlidingWindowModel(ZooModel):
     ZooSlidingWindowForTokenClassification,
     ZooSlidingWindowForQuestionAnswering,
 ) = variant_heads(ZooSlidingWindowModel)
-ZooSlidingWindowSeq2SeqModel, ZooSlidingWindowForConditionalGeneration = seq2seq_classes(ZooSlidingWindowModel)
+(
+    ZooSlidingWindowEncoder,
+    ZooSlidingWindowDecoder,
+    ZooSlidingWindowSeq2SeqModel,
+    ZooSlidingWindowForConditionalGeneration,
+) = seq2seq_classes(ZooSlidingWindowModel)

@@ -114,4 +114,4 @@ class ZooTopKModel(ZooModel):
 ZooTopKForCausalLM, ZooTopKForSequenceClassification, ZooTopKForTokenClassification, ZooTopKForQuestionAnswering = (
     variant_heads(ZooTopKModel)
 )
-ZooTopKSeq2SeqModel, ZooTopKForConditionalGeneration = seq2seq_classes(ZooTopKModel)
+ZooTopKEncoder, ZooTopKDecoder, ZooTopKSeq2SeqModel, ZooTopKForConditionalGeneration = seq2seq_classes(ZooTopKModel)
