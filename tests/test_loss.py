@@ -1,5 +1,6 @@
-"""Training outputs: logits with the loss by default, as Llama; the opt-in fused head + loss equals transformers'
-`ForCausalLMLoss` on materialised logits."""
+"""Training outputs: logits with the loss by default, as Llama, the loss computed by `causal_lm_loss` (transformers'
+`ForCausalLMLoss` with a shorter backward); the opt-in fused head + loss equals `ForCausalLMLoss` on materialised
+logits."""
 
 import pytest
 import torch
@@ -7,9 +8,54 @@ from torch.nn import functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hf_attn_zoo.models import modeling_zoo
-from hf_attn_zoo.models.loss_zoo import causal_lm_loss_fused
+from hf_attn_zoo.models.loss_zoo import causal_lm_loss, causal_lm_loss_fused
 
 from conftest import ATOL, left_padded_batch, tiny_model
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 17, torch.tensor(17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_loss_equals_transformers_loss_and_its_gradient(num_items_in_batch, dtype):
+    """The same value as `ForCausalLMLoss` (the same kernels: bit for bit), the logits' gradient the same within
+    float32 rounding (softmax - one-hot written in one pass), ignored targets and bf16 logits (upcast) included."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 11, 97).to(dtype)
+    labels = torch.randint(0, 97, (3, 11))
+    labels[0, :4] = -100  # padding, ignored
+    results = []
+    for loss_function in (causal_lm_loss, ForCausalLMLoss):
+        x = logits.clone().requires_grad_()
+        loss = loss_function(x, labels, 97, num_items_in_batch=num_items_in_batch)
+        (loss * 3).backward()  # a non-unit upstream gradient must scale the gradient
+        results.append((loss.detach(), x.grad))
+    (loss, grad), (expected_loss, expected_grad) = results
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert grad.dtype == dtype
+    assert torch.all(grad[0, :3] == 0)  # rows whose target is ignored get no gradient
+
+
+def test_default_loss_takes_shift_labels_and_gives_nothing_to_ignored_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 13, requires_grad=True)
+    shift_labels = torch.randint(0, 13, (2, 5))
+    torch.testing.assert_close(
+        causal_lm_loss(logits, None, 13, shift_labels=shift_labels),
+        ForCausalLMLoss(logits, None, 13, shift_labels=shift_labels),
+        rtol=0,
+        atol=0,
+    )
+    ignored = torch.full((2, 5), -100)
+    loss = causal_lm_loss(logits, ignored, 13)  # nothing to predict: nan, as transformers' mean over no targets
+    assert torch.isnan(loss) and torch.isnan(ForCausalLMLoss(logits, ignored, 13))
+    assert torch.all(torch.autograd.grad(loss, logits)[0] == 0)
+
+
+def test_the_default_head_uses_the_zoo_loss_unless_told_otherwise():
+    model = tiny_model("gqa")
+    assert model.loss_function is causal_lm_loss
+    model.loss_function = ForCausalLMLoss  # a loss set on the model is the one used, as in transformers
+    assert model.loss_function is ForCausalLMLoss
 
 
 @pytest.mark.parametrize("chunk_size", [None, 5, 64])

@@ -2,9 +2,11 @@
 
 llama     A zoo variant of the MHA family (`--variant gqa`, or mha, mqa, single_head) against Llama holding the same
           weights (the zoo model is converted from it with `from_llama`), same config, same attention backend:
-          training tokens/s (batch 8 x 256, forward + backward + AdamW on random tokens) and greedy `generate()`
-          tokens/s (prompt 128, 128 new tokens, batches 1 and 8). Model: 6 layers x 256, 8 heads, 2 key/value
-          heads, vocabulary 16384 (8.4M parameters); sizes, batches and lengths are options.
+          training tokens/s (batch 8 x 256, forward + backward + AdamW on random tokens; both models as they come:
+          logits and transformers' causal LM loss; a second, labelled row times the zoo's opt-in fused head + loss
+          against the same Llama) and greedy `generate()` tokens/s (prompt 128, 128 new tokens, batches 1 and 8).
+          Model: 6 layers x 256, 8 heads, 2 key/value heads, vocabulary 16384 (8.4M parameters); sizes, batches and
+          lengths are options.
           Writes results/speed_<variant>_vs_llama.md and .json.
 training  Every variant's `small` preset against `LlamaForCausalLM` at the same width, depth, MLP and head counts:
           training tokens/s at batch 8 x 256 and 1 x 2048, vocabulary 8192, eager and compiled (`torch.compile`,
@@ -67,8 +69,15 @@ class SpeedSetup(Results):
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
     fuse_linear_cross_entropy: bool = field(
         default=True,
-        metadata={"help": "the zoo model trains with its fused head + loss (the opt-in config field); Llama never"},
+        metadata={
+            "help": "besides the row of both defaults, a training row of the zoo with its opt-in fused head + loss "
+            "(`fuse_linear_cross_entropy=True`: no logits) against Llama's default"
+        },
     )
+
+
+DEFAULTS = "both defaults: logits + causal LM loss"
+FUSED = "opt-in: zoo fused head + loss, no logits; Llama default"
 
 
 @dataclass
@@ -91,8 +100,10 @@ class SpeedReport:
             f"`{s.variant}` vs `LlamaForCausalLM`: {self.parameters / 1e6:.1f}M parameters "
             f"({s.num_hidden_layers} layers x {s.hidden_size}, {s.num_attention_heads} heads, "
             f"{s.num_key_value_heads} KV heads), {s.attn_implementation}, {torch.get_num_threads()} threads, "
-            f"best-of-run samples, medians of {s.repeats} alternating repeats ({self.machine}); training: "
-            f"{loss_mode(s.fuse_linear_cross_entropy)}",
+            f"best-of-run samples, medians of {s.repeats} alternating repeats ({self.machine}); training rows: "
+            f"{DEFAULTS} = each model as it comes, Llama with transformers' `ForCausalLMLoss`, the zoo with "
+            f"`causal_lm_loss` (the same value from the same logits, a shorter backward); {FUSED} = the zoo with "
+            "`fuse_linear_cross_entropy=True`, an opt-in",
             "",
             "| metric | Llama tokens/s | zoo tokens/s | zoo / Llama |",
             "| --- | ---: | ---: | ---: |",
@@ -154,9 +165,7 @@ def build_pair(setup: SpeedSetup) -> tuple[LlamaForCausalLM, torch.nn.Module]:
     )
     torch.manual_seed(0)
     llama = LlamaForCausalLM(llama_config)
-    zoo = from_llama(llama, variant=setup.variant)
-    zoo.config.fuse_linear_cross_entropy = setup.fuse_linear_cross_entropy
-    return llama, zoo
+    return llama, from_llama(llama, variant=setup.variant)
 
 
 def compare_with_llama(setup: SpeedSetup, log: Callable[[str], None] = print) -> SpeedReport:
@@ -164,11 +173,21 @@ def compare_with_llama(setup: SpeedSetup, log: Callable[[str], None] = print) ->
         torch.set_num_threads(setup.threads)
     llama, zoo = build_pair(setup)
     report = SpeedReport(setup=copy.deepcopy(setup), parameters=sum(p.numel() for p in zoo.parameters()))
-    metrics = {
-        f"training (batch {setup.train_batch_size} x {setup.train_seq_len})": lambda m: training_tokens_per_second(
-            m, setup.train_batch_size, setup.train_seq_len, setup.train_steps, setup.vocab_size
-        )
-    }
+
+    def training(model, fused: bool = False) -> float:
+        if fused and model is zoo:
+            zoo.config.fuse_linear_cross_entropy = True
+        try:
+            return training_tokens_per_second(
+                model, setup.train_batch_size, setup.train_seq_len, setup.train_steps, setup.vocab_size
+            )
+        finally:
+            zoo.config.fuse_linear_cross_entropy = False
+
+    shape = f"batch {setup.train_batch_size} x {setup.train_seq_len}"
+    metrics = {f"training ({shape}), {DEFAULTS}": training}
+    if setup.fuse_linear_cross_entropy:
+        metrics[f"training ({shape}), {FUSED}"] = lambda m: training(m, fused=True)
     for batch_size in setup.decode_batch_sizes:
         metrics[f"generate decode (batch {batch_size}, prompt {setup.prompt_len}, {setup.new_tokens} new)"] = (
             lambda m, b=batch_size: decode_tokens_per_second(

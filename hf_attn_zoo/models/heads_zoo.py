@@ -35,7 +35,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 
 from .compat_zoo import CACHE_KWARG, build_mask, returned_cache, slice_logits_to_keep, takes_past_key_values
 from .configuration_zoo import ZooConfig
-from .loss_zoo import causal_lm_loss_fused
+from .loss_zoo import causal_lm_loss, causal_lm_loss_fused
 from .modeling_zoo import ZooModel, ZooPreTrainedModel
 
 __all__ = [
@@ -266,6 +266,19 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
             position_ids=position_ids,
             cache_position=kwargs.get("cache_position"),
         )
+
+    @property
+    def loss_function(self):
+        """transformers' causal LM loss (`loss_type` "ForCausalLM"), computed by the zoo's `causal_lm_loss`: the same
+        value from the same logits, with a shorter backward (`loss_zoo.CrossEntropy`). A loss function set on the model
+        (`model.loss_function = ...`) or another `loss_type` is used as transformers would."""
+        if hasattr(self, "_loss_function") or self.loss_type != "ForCausalLM":
+            return super().loss_function
+        return causal_lm_loss
+
+    @loss_function.setter
+    def loss_function(self, value) -> None:
+        self._loss_function = value
 
     def _fuse_loss(self, logits_to_keep: int | torch.Tensor) -> bool:
         """Whether training can skip the logits: only a plain `nn.Linear` head (not one wrapped by PEFT or a
