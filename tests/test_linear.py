@@ -166,15 +166,23 @@ def test_bfloat16_model_keeps_its_sums_in_float32():
     assert (actual - expected).abs().max() < 0.1 * expected.abs().max()
 
 
-def test_fla_naive_linear_attention_gives_the_same_outputs():
-    """fla's own naive chunked linear attention (flash-linear-attention, `fla.ops.linear_attn.naive`), with its
-    normalisation, on the same φ-mapped queries and keys: the same outputs as the zoo's kernel."""
+def test_fla_naive_linear_attention_gives_the_same_outputs_and_state():
+    """fla's own naive linear attention (flash-linear-attention, `fla.ops.linear_attn.naive`, with its normalisation
+    and no scale), chunked and recurrent, on the same φ-mapped queries and keys (φ is applied outside fla's kernels,
+    by its layer): the zoo kernel's outputs (1e-5), and the recurrent form's final state is the zoo's [S, z]. fla has
+    no GQA in these kernels: one key/value head per query head here. Its ε is 1e-10 against the zoo's 1e-6, far
+    below the tolerance at these normalisers (sums of 128 positive terms)."""
     naive = pytest.importorskip("fla.ops.linear_attn.naive", reason="flash-linear-attention is not installed")
     query, key, value = random_inputs(kv_heads=4, length=128, value_width=8)
-    output, _ = linear_causal_attend(query, key, value, None, 16, EPS)
+    output, state = linear_causal_attend(query, key, value, None, 16, EPS)
     # fla's layout is (B, T, H, d)
-    theirs = naive.naive_chunk_linear_attn(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=1.0, normalize=True
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    chunked = naive.naive_chunk_linear_attn(q, k, v, scale=1.0, normalize=True)
+    torch.testing.assert_close(output, chunked, atol=ATOL, rtol=0)
+    recurrent, (sums, normaliser) = naive.naive_recurrent_linear_attn(
+        q, k, v, scale=1.0, output_final_state=True, normalize=True
     )
-    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
-    torch.testing.assert_close(output, theirs.float(), atol=ATOL, rtol=0)
+    torch.testing.assert_close(output, recurrent, atol=ATOL, rtol=0)
+    # (B, H, d, d_v) and (B, 1, H, d) -> the zoo's (B, G, d, d_v + 1), G = H here
+    theirs = torch.cat((sums, normaliser[:, 0, :, :, None]), dim=-1)
+    torch.testing.assert_close(state, theirs, atol=1e-4, rtol=1e-6)
