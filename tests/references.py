@@ -281,7 +281,7 @@ def aft_attention(attn, hidden, positions, attention_mask, config, causal=True):
 
 
 def linear_attention(attn, hidden, positions, attention_mask, config, causal=True):
-    """Katharopoulos et al. 2020, equations 5 and 6, one (row, head, query) at a time in float64: y_t = φ(q_t)ᵀ
+    """Katharopoulos et al. 2020, section 3, one (row, head, query) at a time in float64: y_t = φ(q_t)ᵀ
     Σ_s φ(k_s) v_sᵀ / (φ(q_t)ᵀ Σ_s φ(k_s) + ε), φ(x) = elu(x) + 1, no scale, over the real tokens s <= t (every real
     token as an encoder, `causal=False`); query head h reads key/value head h // (H / G)."""
     batch, length, _ = hidden.shape

@@ -3,7 +3,7 @@
 Paper: Katharopoulos et al. 2020, "Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention".
 What differs from MHA: the similarity of a query and a key is φ(q)·φ(k) with φ(x) = elu(x) + 1 (positive, so the
 weights stay positive), not exp(q·k/√d). The associativity of the products then lets every query read two sums
-instead of every key (the paper's equations 5 and 6, per head):
+instead of every key (the paper's section 3, causal form, per head):
 
     y_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + ε),    S_t = Σ_{s≤t} φ(k_s) v_sᵀ  (d x d_v),    z_t = Σ_{s≤t} φ(k_s)  (d)
 
