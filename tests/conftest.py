@@ -126,6 +126,18 @@ CONFORMANCE["mla"] = {
     "reference": references.latent_attention,
 }
 
+CONFORMANCE["linear"] = {
+    # 4 heads reading 2 key/value heads' sums, chunks of 4 tokens: the running sums across chunks and the exact
+    # products inside them both matter
+    "config": dict(num_attention_heads=4, num_key_value_heads=2, query_chunk_size=4),
+    "invalid": [
+        (dict(linear_attention_eps=0.0), "linear_attention_eps"),
+        (dict(query_chunk_size=0), "query_chunk_size"),
+        (dict(position_embedding_type="rope"), "position_embedding_type"),
+    ],
+    "reference": references.linear_attention,
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()

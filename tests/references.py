@@ -280,6 +280,37 @@ def aft_attention(attn, hidden, positions, attention_mask, config, causal=True):
     return attn.o_proj(out.float())
 
 
+def linear_attention(attn, hidden, positions, attention_mask, config, causal=True):
+    """Katharopoulos et al. 2020, section 3, one (row, head, query) at a time in float64: y_t = φ(q_t)ᵀ
+    Σ_s φ(k_s) v_sᵀ / (φ(q_t)ᵀ Σ_s φ(k_s) + ε), φ(x) = elu(x) + 1, no scale, over the real tokens s <= t (every real
+    token as an encoder, `causal=False`); query head h reads key/value head h // (H / G)."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+
+    def phi(x):
+        return torch.where(x > 0, x + 1, torch.exp(x))  # elu(x) + 1 written out
+
+    q = phi(attn.q_proj(hidden).view(batch, length, heads, head_dim).double())
+    k = phi(attn.k_proj(hidden).view(batch, length, kv_heads, head_dim).double())
+    v = attn.v_proj(hidden).view(batch, length, kv_heads, head_dim).double()
+    out = torch.zeros(batch, length, heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            for t in range(length):
+                if not attention_mask[b, t]:  # a padding query: its output is never compared
+                    continue
+                numerator = torch.zeros(head_dim, dtype=torch.float64)
+                denominator = torch.zeros((), dtype=torch.float64)
+                for s in range(t + 1 if causal else length):
+                    if attention_mask[b, s]:
+                        similarity = q[b, t, h] @ k[b, s, g]
+                        numerator += similarity * v[b, s, g]
+                        denominator += similarity
+                out[b, t, h] = numerator / (denominator + config.linear_attention_eps)
+    return attn.o_proj(out.float().reshape(batch, length, heads * head_dim))
+
+
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):
     """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
     config = model.config

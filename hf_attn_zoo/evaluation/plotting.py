@@ -51,6 +51,7 @@ COLOURS = {
     "additive": "#2e8b57",
     "differential": "#b8860b",
     "mla": "#000080",
+    "linear": "#dc143c",
     # pooling (MHA -> GQA/MQA) and MLA conversion methods
     "mean": "tab:blue",
     "first": "tab:orange",

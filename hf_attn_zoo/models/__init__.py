@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
-from . import additive, aft, differential, linformer, mha, mla, rnn, sliding_window, topk
+from . import additive, aft, differential, linear, linformer, mha, mla, rnn, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .heads_zoo import ZooForCausalLM
 from .layers_zoo import ZooAttention, ZooMLP
@@ -175,6 +175,7 @@ register_variant(topk.ZooTopKForCausalLM)
 register_variant(additive.ZooAdditiveForCausalLM)
 register_variant(differential.ZooDifferentialForCausalLM)
 register_variant(mla.ZooMLAForCausalLM)
+register_variant(linear.ZooLinearForCausalLM)
 
 
 @dataclass(frozen=True)
