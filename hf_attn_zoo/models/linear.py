@@ -225,4 +225,9 @@ class ZooLinearModel(ZooModel):
     ZooLinearForTokenClassification,
     ZooLinearForQuestionAnswering,
 ) = variant_heads(ZooLinearModel)
-ZooLinearSeq2SeqModel, ZooLinearForConditionalGeneration = seq2seq_classes(ZooLinearModel)
+(
+    ZooLinearEncoder,
+    ZooLinearDecoder,
+    ZooLinearSeq2SeqModel,
+    ZooLinearForConditionalGeneration,
+) = seq2seq_classes(ZooLinearModel)
