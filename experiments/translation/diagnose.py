@@ -5,16 +5,19 @@ sentences whatever the input).
 One run trains one model (`--model zoo` or `marian`; `--config` adds zoo config fields, the ablations) with Adam,
 linear warm-up then cosine decay, gradients clipped at 1, on batches of `--batch_size` pairs of similar length
 (`translation.batches`), and writes one JSON row to `--output`:
-- every `--eval_every` steps and at the end, the validation references' perplexity with their own sources and with the sources shuffled among the pairs
-  (`shuffle_ratio`: a model that reads its source loses much; one that does not, nothing);
+- every `--eval_every` steps and at the end, the validation references' perplexity with their own sources and
+  with the sources shuffled among the pairs (`shuffle_ratio`: a model that reads its source loses much; one that
+  does not, nothing);
 - greedy translations of `--decode` validation verses: BLEU, chrF, and how many of them are distinct;
 - at initialisation and after training, on one fixed batch: the RMS of the encoder's output, of the decoder's
   residual stream after each layer, of each layer's self- and cross-attention output (what it adds to the stream),
   the gradient norms of the cross-attention's and the self-attention's parameters, and the mean entropy of the
   cross-attention weights over the real source tokens as a fraction of the uniform distribution's (1: no alignment).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/translation/diagnose.py --model marian --steps 600 --max_length 32
-    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/translation/diagnose.py --model zoo --steps 600 --max_length 32 \
+    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/translation/diagnose.py --model marian --steps 600 \
+        --max_length 32
+    OMP_NUM_THREADS=1 PYTHONPATH=. python experiments/translation/diagnose.py --model zoo --steps 600 \
+        --max_length 32 \
         --config '{"position_embedding_type": "sinusoidal"}'
 
 docs/translation.md ("Does the Transformer read its source?") reports the runs.
