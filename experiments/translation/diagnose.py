@@ -4,7 +4,7 @@ sentences whatever the input).
 
 One run trains one model (`--model zoo` or `marian`; `--config` adds zoo config fields, the ablations) with Adam,
 linear warm-up then cosine decay, gradients clipped at 1, on batches of `--batch_size` pairs of similar length
-(`translation.batches`), and writes one JSON row to `--output`:
+(`board.batches`), and writes one JSON row to `--output`:
 - every `--eval_every` steps and at the end, the validation references' perplexity with their own sources and
   with the sources shuffled among the pairs (`shuffle_ratio`: a model that reads its source loses much; one that
   does not, nothing);
@@ -37,7 +37,7 @@ from transformers import AutoTokenizer, MarianConfig, MarianMTModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from experiments.translation.translation import BOOK, batches, bleu_chrf, collate  # noqa: E402
+from experiments.translation.board import BOOK, batches, bleu_chrf, collate  # noqa: E402
 from hf_attn_zoo.data import train_byte_level_bpe  # noqa: E402
 from hf_attn_zoo.models import SEQ2SEQ  # noqa: E402
 from hf_attn_zoo.pairs import seq2seq_tokenizer  # noqa: E402
