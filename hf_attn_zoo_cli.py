@@ -271,7 +271,10 @@ class ConvertOptions:
     topk: int | None = field(
         default=None, metadata={"help": "--distill: precompute the parent's top-k once instead of running it"}
     )
-    learning_rate: float = field(default=5e-4, metadata={"help": "--distill: peak learning rate (cosine, 5% warm-up)"})
+    learning_rate: float = field(
+        default=5e-4,
+        metadata={"help": "--distill: peak learning rate (cosine, warming up over the first twentieth of the steps)"},
+    )
     batch_size: int = field(default=4, metadata={"help": "--distill: rows of --block_size tokens per step"})
     eval_data: list[str] | None = field(
         default=None,
