@@ -1,7 +1,8 @@
 """transformers' own common model tests against the zoo: the unmodified `ModelTesterMixin` + `GenerationTesterMixin`
 with BART's `BartModelTester` sizes and inputs, over every zoo encoder-decoder (every variant's translator with
-dot-product cross-attention, each other cross-attention kind, the RNN) and BART itself as the control; and the
-decoder-only `CausalLMModelTest` with Llama's tester sizes over every zoo causal LM, Llama as the control.
+dot-product cross-attention, each other cross-attention kind, the RNN) and BART itself as the control; and the same
+mixins with Llama's tester sizes and inputs (`CausalLMTester`) over every zoo causal LM and its base model, Llama as
+the control.
 
 The upstream files are not in the repository: `python -m tests.upstream_tests --snapshot PATH` assembles them (see
 tests/upstream_tests.py); without them the module is skipped, naming what is missing. Every test a model is known to
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
@@ -48,15 +50,7 @@ if "tests" in sys.modules and getattr(sys.modules["tests"], "__file__", None) is
     del sys.modules["tests"]
 from tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
 from tests.models.bart.test_modeling_bart import BartModelTester  # noqa: E402
-from tests.test_modeling_common import ModelTesterMixin  # noqa: E402
-
-try:  # the decoder-only tester of the snapshot, which must match the installed transformers
-    from tests.causal_lm_tester import CausalLMModelTest, CausalLMModelTester
-    from tests.models.llama.test_modeling_llama import LlamaModelTester
-
-    CAUSAL_LM_ERROR = None
-except ImportError as error:
-    CAUSAL_LM_ERROR = f"{error}: assemble from a transformers snapshot of release {transformers.__version__}"
+from tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
 TABLE_START, TABLE_END = "<!-- upstream-mixins:start -->", "<!-- upstream-mixins:end -->"
@@ -458,52 +452,106 @@ for _case in SEQ2SEQ_CASES:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the causal LMs: Llama's tester (CausalLMModelTester's sizes), the variant's own fields on top
+# the causal LMs: Llama's tester sizes and inputs, the variant's own fields on top
+#
+# The snapshot's `CausalLMModelTester` reads its sizes from `transformers.testing_utils._TEXT_MODEL_TESTER_DEFAULTS`,
+# which the installed release lacks, so it cannot be imported against it; `CausalLMTester` prepares what it prepares
+# for `LlamaModelTester` (the sizes of that table, the lower-triangular attention mask, the labels) and the cases run
+# the same unmodified `ModelTesterMixin` + `GenerationTesterMixin` as the encoder-decoders.
+
+
+class CausalLMTester:
+    """Llama's tester sizes (`LlamaModelTester`, through `CausalLMModelTester`'s defaults) for any causal LM: batch 13
+    of 7 tokens from a vocabulary of 99, 2 layers of width 32 with 2 heads and 2 key/value heads, a feed-forward
+    width of 32; the config is `config(**sizes)`, so a variant's own fields (its heads among them) replace these."""
+
+    batch_size, seq_length, vocab_size = 13, 7, 99
+    hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads = 32, 2, 2, 2
+    intermediate_size, hidden_act, max_position_embeddings = 32, "gelu", 512
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    hidden_dropout_prob = attention_probs_dropout_prob = 0.1
+    type_sequence_label_size, num_labels, num_choices = 2, 3, 4
+    is_training, use_input_mask, use_labels = True, True, True
+
+    def __init__(self, parent: unittest.TestCase, config) -> None:
+        self.parent = parent
+        self.config = config  # a callable: the sizes -> the config
+        probe = self.get_config()
+        # the tests read the heads and head width off the tester too: the model's own (1 for AFT, which has none)
+        self.num_attention_heads = getattr(probe, "num_attention_heads", None) or 1
+        self.num_key_value_heads = getattr(probe, "num_key_value_heads", None) or self.num_attention_heads
+        self.head_dim = getattr(probe, "head_dim", None) or self.hidden_size // self.num_attention_heads
+
+    def get_config(self):
+        return self.config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            pad_token_id=self.pad_token_id,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            tie_word_embeddings=False,
+        )
+
+    def prepare_config_and_inputs(self):
+        input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+        # row i attends to its first i + 1 tokens (right padding of every length), as CausalLMModelTester masks
+        attention_mask = torch.tril(torch.ones_like(input_ids))
+        sequence_labels = ids_tensor([self.batch_size], self.type_sequence_label_size)
+        token_labels = ids_tensor([self.batch_size, self.seq_length], self.num_labels)
+        choice_labels = ids_tensor([self.batch_size], self.num_choices)
+        return self.get_config(), input_ids, attention_mask, sequence_labels, token_labels, choice_labels
+
+    def prepare_config_and_inputs_for_common(self):
+        config, input_ids, attention_mask, *_ = self.prepare_config_and_inputs()
+        return config, {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def create_and_check_model(self, base_model_class, config, input_ids, attention_mask, *_) -> None:
+        model = base_model_class(config).eval()
+        model(input_ids, attention_mask=attention_mask)
+        result = model(input_ids)
+        expected = (self.batch_size, self.seq_length, self.hidden_size)
+        self.parent.assertEqual(result.last_hidden_state.shape, expected)
 
 
 def causal_lm_case(case: str) -> type:
     if case == "causal-llama":
-        tester = LlamaModelTester
+        classes, make_config = (transformers.LlamaModel, transformers.LlamaForCausalLM), transformers.LlamaConfig
     else:
         variant = VARIANTS[case.removeprefix("causal-")]
-        heads = variant.heads
+        classes = (variant.model_class, variant.causal_lm_class)
 
-        class tester(CausalLMModelTester):  # noqa: N801 (a class built per variant)
-            config_class = variant.config_class
-            base_model_class = variant.model_class
-            causal_lm_class = heads["AutoModelForCausalLM"]
-            sequence_classification_class = heads.get("AutoModelForSequenceClassification")
-            token_classification_class = heads.get("AutoModelForTokenClassification")
-            question_answering_class = heads.get("AutoModelForQuestionAnswering")
+        def make_config(**sizes):
+            # the variant's own fields (tests/conftest.py) over Llama's sizes; AFT has no heads
+            fields = sizes | CONFORMANCE[variant.name]["config"]
+            accepted = inspect.signature(variant.config_class.__init__).parameters
+            if "kwargs" not in accepted:
+                fields = {name: value for name, value in fields.items() if name in accepted}
+            return variant.config(**fields)
 
-            def __init__(self, parent, **kwargs):
-                super().__init__(parent, **kwargs)
-                # the variant's own fields, also on the tester, which the tests read beside the config
-                for field, value in CONFORMANCE[variant.name]["config"].items():
-                    setattr(self, field, value)
-                self.head_dim = self.hidden_size // self.num_attention_heads
+    class Case(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+        all_model_classes = classes
+        pipeline_model_mapping = {}
 
-            def get_config(self):
-                config = super().get_config()
-                return variant.config(**{**config.to_dict(), **CONFORMANCE[variant.name]["config"]})
+        def setUp(self):
+            self.model_tester = CausalLMTester(self, make_config)
 
-    class Case(CausalLMModelTest, unittest.TestCase):
-        model_tester_class = tester
+        def test_model(self):
+            self.model_tester.create_and_check_model(classes[0], *self.model_tester.prepare_config_and_inputs())
 
-    Case.__name__ = Case.__qualname__ = f"TestCausalLM_{case.removeprefix('causal-').replace('-', '_')}"
+    Case.__name__ = Case.__qualname__ = f"TestCausalLM_{case.removeprefix('causal-')}"
     return bind(Case, case)
 
 
 CAUSAL_LM_CASES = ["causal-llama", *(f"causal-{name}" for name in VARIANTS)]
-if CAUSAL_LM_ERROR is None:
-    for _case in CAUSAL_LM_CASES:
-        _cls = causal_lm_case(_case)
-        globals()[_cls.__name__] = _cls
-else:
-
-    @pytest.mark.skip(reason=CAUSAL_LM_ERROR)
-    def test_causal_lm_mixins():
-        """The decoder-only half, skipped when the assembled tester does not import against this transformers."""
+for _case in CAUSAL_LM_CASES:
+    _cls = causal_lm_case(_case)
+    globals()[_cls.__name__] = _cls
 
 
 # ---------------------------------------------------------------------------------------------------------------------
