@@ -527,8 +527,11 @@ def causal_lm_case(case: str) -> type:
         classes = (variant.model_class, variant.causal_lm_class)
 
         def make_config(**sizes):
-            # the variant's own fields (tests/conftest.py) over Llama's sizes; AFT has no heads
-            fields = sizes | CONFORMANCE[variant.name]["config"]
+            # the variant's own fields (tests/conftest.py) over Llama's sizes
+            # the heads are the variant's (its defaults where it sets none: one for single-head attention and AFT)
+            heads = ("num_attention_heads", "num_key_value_heads")
+            fields = {name: value for name, value in sizes.items() if name not in heads}
+            fields |= CONFORMANCE[variant.name]["config"]
             accepted = inspect.signature(variant.config_class.__init__).parameters
             if "kwargs" not in accepted:
                 fields = {name: value for name, value in fields.items() if name in accepted}
