@@ -4,8 +4,8 @@
 
 The common mixins (`test_modeling_common.py`, `test_configuration_common.py`, `test_pipeline_mixin.py`, ...) ship in
 transformers' source distribution; `pip download` gets the one of the installed version by package name. The model
-test files (`tests/models/bart/test_modeling_bart.py`, Llama's), `tests/causal_lm_tester.py` and
-`tests/generation/test_utils.py` are not in it: they come from a snapshot of transformers' repository, a checkout or
+test files (`tests/models/bart/test_modeling_bart.py`) and `tests/generation/test_utils.py` are not in
+it: they come from a snapshot of transformers' repository, a checkout or
 a bare git directory, named by `--snapshot` or `HF_ATTN_ZOO_TRANSFORMERS_SNAPSHOT` (`--ref` picks the commit of a git
 directory, HEAD by default). A file in both comes from the source distribution, which matches the installed library.
 
@@ -38,9 +38,7 @@ ENTRY_POINTS = (
     "tests/test_configuration_common.py",
     "tests/test_pipeline_mixin.py",
     "tests/generation/test_utils.py",
-    "tests/causal_lm_tester.py",
     "tests/models/bart/test_modeling_bart.py",
-    "tests/models/llama/test_modeling_llama.py",
     # tests/utils/test_configuration_utils.py puts the repository's utils/ on sys.path and imports this from there
     "utils/test_module/__init__.py",
     "utils/test_module/custom_configuration.py",
