@@ -21,6 +21,7 @@ the parent's normalised hidden states entering layer l, and only layer l's atten
 The student's other weights are the parent's own copies and stay as they are.
 """
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -252,8 +253,11 @@ def first_layer_inputs(model: ZooForCausalLM, input_ids: torch.LongTensor) -> tu
     caught = {}
 
     def catch(module, args, kwargs):
-        caught["hidden_states"] = args[0] if args else kwargs["hidden_states"]
-        caught["kwargs"] = {key: value for key, value in kwargs.items() if key != "hidden_states"}
+        # the backbone passes the tensors that carry gradients positionally (gradient checkpointing needs them so):
+        # named by the layer's own signature, whichever way they came
+        arguments = dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+        caught["hidden_states"] = arguments.pop("hidden_states")
+        caught["kwargs"] = {**arguments, **arguments.pop("kwargs", {})}
         raise StopAtFirstLayer
 
     handle = model.model.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
@@ -267,9 +271,10 @@ def first_layer_inputs(model: ZooForCausalLM, input_ids: torch.LongTensor) -> tu
 
 
 def attention_kwargs(layer_kwargs: dict) -> dict:
-    """What a decoder layer passes on to its self-attention (the cross-attention's inputs stay with the layer)."""
-    cross = ("encoder_hidden_states", "cross_attention_mask", "cross_cache", "cross_attentions")
-    return {key: value for key, value in layer_kwargs.items() if key not in cross}
+    """What a decoder layer passes on to its self-attention (the cross-attention's inputs stay with the layer; no
+    cache: transfer runs whole rows)."""
+    layer_only = ("encoder_hidden_states", "cross_attention_mask", "cross_cache", "cache")
+    return {key: value for key, value in layer_kwargs.items() if key not in layer_only}
 
 
 def attention_transfer(
