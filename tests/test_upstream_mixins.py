@@ -1,6 +1,7 @@
 """transformers' own common model tests against the zoo: the unmodified `ModelTesterMixin` + `GenerationTesterMixin`
 with BART's `BartModelTester` sizes and inputs, over every zoo encoder-decoder (every variant's translator with
-dot-product cross-attention, each other cross-attention kind, the RNN) and BART itself as the control; and the same
+dot-product cross-attention, each other cross-attention kind, the RNN) and BART itself as the control (Marian and T5
+too, through the same mixins with their own testers); and the same
 mixins with Llama's tester sizes and inputs (`CausalLMTester`) over every zoo causal LM and its base model, Llama as
 the control.
 
@@ -50,6 +51,8 @@ if "tests" in sys.modules and getattr(sys.modules["tests"], "__file__", None) is
     del sys.modules["tests"]
 from tests.generation.test_utils import GenerationTesterMixin  # noqa: E402
 from tests.models.bart.test_modeling_bart import BartModelTester  # noqa: E402
+from tests.models.marian.test_modeling_marian import MarianModelTester  # noqa: E402
+from tests.models.t5.test_modeling_t5 import T5ModelTester  # noqa: E402
 from tests.test_modeling_common import ModelTesterMixin, ids_tensor  # noqa: E402
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
@@ -503,6 +506,43 @@ SEQ2SEQ_CASES = ["bart", *(name for name in SEQ2SEQ if name != "rnn"), *CROSS_AT
 for _case in SEQ2SEQ_CASES:
     _cls = seq2seq_case(_case)
     globals()[_cls.__name__] = _cls
+
+
+def native_control(
+    case: str, tester: type, classes: tuple[type, ...], skips: dict[str, str] | None = None, **flags
+) -> type:
+    """Another native encoder-decoder through the same unmodified mixins, with its own upstream tester and what its
+    upstream test class sets (Marian: no missing-keys check; T5: resizable embeddings, its split percentages, and
+    the test it skips): the mixins, not the zoo, are what a control of this run checks."""
+
+    class Case(ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+        all_model_classes = classes
+        pipeline_model_mapping = {}
+        is_encoder_decoder = True
+
+        def setUp(self):
+            self.model_tester = tester(self)
+
+    for name, value in flags.items():
+        setattr(Case, name, value)
+    for name, reason in (skips or {}).items():
+        setattr(Case, name, unittest.skip(reason)(getattr(Case, name)))
+    Case.__name__ = Case.__qualname__ = f"TestSeq2Seq_{case}"
+    return bind(Case, case)
+
+
+TestSeq2Seq_marian = native_control(
+    "marian", MarianModelTester, (transformers.MarianModel, transformers.MarianMTModel), test_missing_keys=False
+)
+TestSeq2Seq_t5 = native_control(
+    "t5",
+    T5ModelTester,
+    (transformers.T5Model, transformers.T5ForConditionalGeneration),
+    skips={"test_model_base_model_prefix": "T5 has no separate base model without a head (T5ModelTest skips it)."},
+    test_resize_embeddings=True,
+    model_split_percents=[0.5, 0.8, 0.9],
+)
+SEQ2SEQ_CASES = ["bart", "marian", "t5", *SEQ2SEQ_CASES[1:]]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
