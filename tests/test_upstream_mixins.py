@@ -1,9 +1,8 @@
 """transformers' own common model tests against the zoo: the unmodified `ModelTesterMixin` + `GenerationTesterMixin`
 with BART's `BartModelTester` sizes and inputs, over every zoo encoder-decoder (every variant's translator with
 dot-product cross-attention, each other cross-attention kind, the RNN) and BART itself as the control (Marian and T5
-too, through the same mixins with their own testers); and the same
-mixins with Llama's tester sizes and inputs (`CausalLMTester`) over every zoo causal LM and its base model, Llama as
-the control.
+too, through the same mixins with their own testers); and the same mixins with Llama's tester sizes and inputs
+(`CausalLMTester`) over every zoo causal LM and its base model, Llama as the control.
 
 The upstream files are not in the repository: `python -m tests.upstream_tests --snapshot PATH` assembles them (see
 tests/upstream_tests.py); without them the module is skipped, naming what is missing. Every test a model is known to
