@@ -147,6 +147,10 @@ def test_checkpoints_are_complete_or_set_aside(tmp_path):
     final = AutoModelForCausalLM.from_pretrained(summary["final_model"])
     assert final.config.model_type == "zoo_gqa"
     assert summary["flops_per_token"] == training_flops_per_token(final, 64)  # tiny_gqa's block_size
+    # every log of the run, evaluations' included, carries the wall-clock seconds since training began
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    seconds = [entry["elapsed_seconds"] for entry in history]
+    assert seconds and seconds == sorted(seconds) and seconds[0] > 0
     with pytest.raises(ValueError, match="already holds checkpoint"):
         tiny_run(run, "--training.max_steps", 8)  # would overwrite: refused
     # a crash while checkpoint-8 was written: no marker; resuming takes checkpoint-4 and keeps checkpoint-8's files

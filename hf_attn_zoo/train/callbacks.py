@@ -130,17 +130,26 @@ def peak_flops() -> float | None:
 class ThroughputCallback(TrainerCallback):
     """Adds `tokens_per_second` (all processes) to the logs and, on a known GPU, `mfu`: model FLOPs per token
     (`train.build.training_flops_per_token`: 6·N plus 3·L times the variant's mixing FLOPs, PaLM's 6·N + 12·L·H·d_h·T
-    for MHA) against the device's dense bf16 peak (`PEAK_FLOPS`)."""
+    for MHA) against the device's dense bf16 peak (`PEAK_FLOPS`). Every log, evaluations' included, also gets
+    `elapsed_seconds`: wall-clock time since this process began training, evaluations and saving included, so that a
+    run's `trainer_state.json` holds its validation scores against minutes."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None) -> None:
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
-        self._start, self._step = None, 0
+        self._start, self._step, self._began = None, 0, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._began = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._start is None:
             self._start, self._step = time.perf_counter(), state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self._began is not None:
+            elapsed = {"elapsed_seconds": round(time.perf_counter() - self._began, 1)}
+            logs.update(elapsed)
+            state.log_history[-1].update(elapsed)
         if logs is None or self._start is None or "loss" not in logs:
             return
         elapsed = time.perf_counter() - self._start
