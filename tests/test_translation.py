@@ -53,6 +53,8 @@ def test_the_tiny_recipe_saves_a_translator_transformers_loads(trained):
         assert summary[key] >= 0 and summary[key] == json.loads((final / "training_summary.json").read_text())[key]
     assert summary["validation_perplexity"] < len(tokenizer)  # learnt something beyond a uniform guess
     assert summary["evaluations"][-1]["eval_bleu"] == summary["validation_bleu"]
+    seconds = [entry["elapsed_seconds"] for entry in summary["evaluations"]]  # the curve of BLEU against time
+    assert seconds == sorted(seconds) and 0 < seconds[-1] <= summary["seconds"]
     assert (trained / "checkpoint-40" / "checkpoint_complete.json").is_file()
     assert len((trained / "validation_pairs.jsonl").read_text().splitlines()) == summary["validation_pairs"]
 

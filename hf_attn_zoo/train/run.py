@@ -213,8 +213,9 @@ def final_evaluation(trainer: Trainer, changed: bool) -> dict:
     return last
 
 
-# What an evaluation entry of the summary keeps (besides its step), and the summary's scores the model card names
-EVALUATION_KEYS = ("eval_loss", "eval_bleu", "eval_chrf")
+# What an evaluation entry of the summary keeps besides its step (its scores, and the seconds since training began:
+# the curve of a score against time), and the summary's scores the model card names
+EVALUATION_KEYS = ("eval_loss", "eval_bleu", "eval_chrf", "elapsed_seconds")
 CARD_NAMES = {
     "validation_bleu": "validation BLEU",
     "validation_chrf": "validation chrF",
