@@ -137,6 +137,33 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
+def test_the_hour_report_reads_what_train_and_translate_eval_wrote(trained, tmp_path, capsys):
+    """experiments/translation/hour.py over a run folder: the curve from training_summary.json, the test scores and
+    translations from translate-eval's --out, ten examples by the fixed rule; a run not yet scored is named."""
+    from experiments.translation import hour
+
+    run = tmp_path / "tiny_rnn"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("checkpoint-*"))
+    with pytest.raises(SystemExit, match="translate-eval"):
+        hour.main([str(run), "--out", str(tmp_path / "report")])
+    shutil.copy(run / "validation_pairs.jsonl", run / "test_pairs.jsonl")  # the tiny recipe holds out no test books
+    argv = ["translate-eval", run / "final", "--data", run / "test_pairs.jsonl", "--out", run / "test_scores.json"]
+    assert run_cli(argv, capsys)[0] == 0
+    assert hour.main([str(run), "--out", str(tmp_path / "report")]) == 0
+    numbers = json.loads((tmp_path / "report" / "hour.json").read_text())[0]
+    summary, scores = (json.loads((run / name).read_text()) for name in ("training_summary.json", "test_scores.json"))
+    assert numbers["test"]["bleu"] == scores["bleu"] and numbers["steps"] == summary["steps"] == 40
+    assert [point["step"] for point in numbers["curve"]] == [entry["step"] for entry in summary["evaluations"]]
+    assert numbers["curve"][-1]["bleu"] == summary["validation_bleu"]
+    pairs = [json.loads(line) for line in (run / "test_pairs.jsonl").read_text().splitlines()]
+    report = (tmp_path / "report" / "hour.md").read_text()
+    picked = [index * len(pairs) // 10 for index in range(10)]
+    assert report.count("- reference: ") == 10 and picked[0] == 0
+    for index in picked:
+        assert f"- reference: {pairs[index]['target']}" in report
+        assert f"- tiny_rnn: {scores['translations'][index]}" in report
+
+
 def test_translate_eval_scores_as_sacrebleu_on_the_same_generations(trained, tmp_path, capsys):
     final, pairs = trained / "final", trained / "validation_pairs.jsonl"
     out = tmp_path / "scores.json"
