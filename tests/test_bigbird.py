@@ -10,7 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_attn_zoo.models import SEQ2SEQ, VARIANTS
-from hf_attn_zoo.models.bigbird import ZooBigBirdAttention, bidirectional_pattern, random_block_order
+from hf_attn_zoo.models.bigbird import (
+    ZooBigBirdAttention,
+    bidirectional_pattern,
+    block_sparse_attention,
+    dense_block_sparse_attention,
+    random_block_order,
+)
 from hf_attn_zoo.models.masks_zoo import BlockwiseCausalMask
 
 import references
@@ -313,3 +319,52 @@ def test_bidirectional_form_equals_transformers_block_sparse_attention(monkeypat
     monkeypatch.setattr(theirs, "_bigbird_block_rand_mask_with_head", lambda **_: others)
     with torch.no_grad():
         assert (theirs(hidden, band, from_mask, to_mask, blocked, blocked)[0] - actual).abs().max() > 1e-3
+
+
+# --- the dense form a graph being exported runs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", ["w3-g2-r2", "w1-g0-r3", "w5-g3-r1"])
+def test_the_dense_form_of_exported_graphs_equals_the_gathered_kernel(pattern, monkeypatch):
+    """While exporting, the pattern is a dense (T, S) mask: the same logits as the gathered kernel for left-padded
+    rows, a cached decoding step and an encoder-decoder over padded sources; and the same outputs and weights for
+    packed documents (transformers does not look for packed rows while exporting, so they are compared at the
+    kernel)."""
+    model = bigbird(pattern)
+    input_ids, attention_mask, _ = token_rows((40, 29, 7))
+    position_ids = positions_from_mask(attention_mask)
+    ids, mask = source_rows()
+    fields = model.config.to_diff_dict() | dict(is_encoder_decoder=True, decoder_start_token_id=1)
+    translator = SEQ2SEQ["bigbird"].generation_class(VARIANTS["bigbird"].config(**fields)).eval()
+    target = torch.randint(3, VOCAB_SIZE, (3, 20), generator=torch.Generator().manual_seed(5))
+
+    def outputs():
+        with torch.no_grad():
+            cache = DynamicCache()
+            model(input_ids[:, :30], attention_mask=attention_mask[:, :30], position_ids=position_ids[:, :30],
+                  **{CACHE_KWARG: cache})  # fmt: skip
+            step = model(input_ids[:, 30:], attention_mask=attention_mask, position_ids=position_ids[:, 30:],
+                         **{CACHE_KWARG: cache}).logits  # fmt: skip
+            return (
+                model(input_ids, attention_mask=attention_mask).logits[attention_mask.bool()],
+                step[attention_mask[:, 30:].bool()],
+                translator(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits,
+            )
+
+    gathered = outputs()
+    with monkeypatch.context() as exporting:
+        exporting.setattr(torch.compiler, "is_exporting", lambda: True)
+        dense = outputs()
+    for actual, expected in zip(dense, gathered, strict=True):
+        torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, 37, 8, generator=generator) for heads in (4, 2, 2))
+    positions = torch.cat([torch.arange(n) for n in (11, 17, 9)])[None]
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate((11, 17, 9))])[None]
+    packed = BlockwiseCausalMask(key_length=37, past_length=0, documents=documents)
+    attention = model.model.layers[1].self_attn
+    expected = block_sparse_attention(attention, query, key, value, packed, positions, True)
+    actual = dense_block_sparse_attention(attention, query, key, value, packed, positions, True)
+    for dense_result, gathered_result in zip(actual, expected, strict=True):
+        torch.testing.assert_close(dense_result, gathered_result, atol=ATOL, rtol=0)

@@ -120,10 +120,10 @@ def choose_random_blocks(
     if count == 0:
         empty = order.new_zeros(*order.shape[:-1], 0)
         return empty, empty.bool()
-    never = torch.iinfo(torch.long).max
-    masked = order.masked_fill(~candidates, never)
-    if masked.shape[-1] < count:  # fewer key blocks than draws: pad with blocks that are never candidates
-        masked = F.pad(masked, (0, count - masked.shape[-1]), value=never)
+    never = 2**62  # above every sort key (< 2^55), and exact as the float F.pad takes
+    # `count` more blocks that are never candidates, so that there are enough to draw from (short rows); always
+    # appended, as a graph being exported cannot branch on the number of key blocks
+    masked = F.pad(order.masked_fill(~candidates, never), (0, count), value=never)
     values, blocks = masked.topk(count, dim=-1, largest=False)
     return blocks, values != never
 
@@ -159,9 +159,10 @@ class ZooBigBirdAttention(ZooMultiHeadAttention):
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=query.device)[None]
         positions = position_ids.expand(batch, length).long()  # (B, T)
-        return block_sparse_attention(
-            self, query, key, value, attention_mask, positions, kwargs.get("output_attentions")
-        )
+        # a graph with a dynamic length cannot size the grid of blocks from the data: while exporting, the same
+        # pattern as a dense (T, S) mask, O(T·S)
+        kernel = dense_block_sparse_attention if torch.compiler.is_exporting() else block_sparse_attention
+        return kernel(self, query, key, value, attention_mask, positions, kwargs.get("output_attentions"))
 
     def random_blocks(self, query_blocks: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's random blocks of `query_blocks` `(Q,)` among `candidates` `(B or 1, Q, K)` (bool over key
@@ -287,6 +288,65 @@ def block_sparse_attention(
             module, query, key, value, positions, query_real, key_real, sequence_blocks, output, weights
         )
     return output.transpose(1, 2), weights  # (B, H, T, d_v) -> (B, T, H, d_v)
+
+
+def dense_block_sparse_attention(
+    module: ZooBigBirdAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: BlockwiseCausalMask,
+    positions: torch.LongTensor,
+    output_attentions: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same attention as `block_sparse_attention` (same arguments and results) with the pattern as a dense
+    `(B, H, T, S)` mask over every key: O(T·S), free of shapes read from the data, for a graph being exported. A key
+    is allowed where its block is in the query's pattern (by the keys' true positions), it is real, of the query's
+    document, and (causal) not after the query."""
+    config = module.config
+    block, window = config.attention_block_size, config.num_window_blocks
+    batch, heads, length, _ = query.shape
+    key_length = key.shape[2]
+    past, causal, device = mask.past_length, mask.causal, query.device
+    held = past + length
+    key_position = key_positions(positions, past) if past else positions  # (B, past + T)
+    key_position = F.pad(key_position, (0, key_length - held), value=-1)  # (B, S)
+    key_real = mask.key_padding if mask.key_padding is not None else key_position >= 0  # (B, S)
+    query_block, key_block = positions // block, key_position.clamp(min=0) // block  # (B, T), (B, S)
+    distance = query_block[:, :, None] - key_block[:, None, :]  # (B, T, S), in blocks
+    blocks = torch.arange((key_length + block - 1) // block + 1, device=device)  # key blocks that may be drawn
+    if causal:
+        fixed = ((distance >= 0) & (distance < window)) | (key_block[:, None, :] < config.num_global_blocks)
+        fixed = fixed & (key_position[:, None, :] <= positions[:, :, None])
+        candidates = (blocks >= config.num_global_blocks) & (blocks <= query_block[..., None] - window)  # (B, T, K)
+        every = torch.zeros_like(query_block, dtype=torch.bool)  # (B, T)
+    else:
+        half = (window - 1) // 2
+        front, back = global_layout(config)
+        total = ((key_real.sum(-1) + block - 1) // block)[:, None]  # (B, 1): blocks of the row
+        is_global = (key_block < front) | (key_block >= total - back)  # (B, S)
+        fixed = (distance.abs() <= half) | is_global[:, None, :]
+        candidates = (
+            ((blocks - query_block[..., None]).abs() > half) & (blocks >= front) & (blocks < total[..., None] - back)
+        )
+        every = (query_block < front) | (query_block >= total - back)  # global queries see every key
+    order = random_block_order(
+        config.random_blocks_seed, module.layer_idx, heads, query_block.flatten(), blocks.shape[0]
+    )  # (H, B·T, K)
+    order = order.view(heads, batch, length, -1).transpose(0, 1)  # (B, H, T, K)
+    drawn, drawn_exists = choose_random_blocks(order, candidates[:, None], config.num_random_blocks)  # (B, H, T, r)
+    hits = (key_block[:, None, None, :, None] == drawn[:, :, :, None, :]) & drawn_exists[:, :, :, None, :]
+    allowed = fixed[:, None] | hits.any(-1) | every[:, None, :, None]  # (B, H, T, S)
+    allowed = allowed & key_real[:, None, None, :]
+    if mask.documents is not None:  # a packed row: the query's document only
+        same = mask.documents[:, past:held, None] == mask.documents[:, None, :]  # (B, T, S)
+        allowed = allowed & same[:, None]
+    groups = heads // key.shape[1]
+    scores = torch.matmul(query, repeat_kv(key, groups).transpose(-1, -2)) * module.scaling  # (B, H, T, S)
+    probabilities = masked_softmax(scores, allowed).to(query.dtype)
+    probabilities = F.dropout(probabilities, module.attention_dropout, training=module.training)
+    output = torch.matmul(probabilities, repeat_kv(value, groups)).transpose(1, 2)  # (B, H, T, d_v) -> (B, T, H, d_v)
+    return output, probabilities if output_attentions else None
 
 
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
