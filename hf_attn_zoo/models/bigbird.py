@@ -309,8 +309,12 @@ def dense_block_sparse_attention(
     key_length = key.shape[2]
     past, causal, device = mask.past_length, mask.causal, query.device
     held = past + length
-    key_position = key_positions(positions, past) if past else positions  # (B, past + T)
-    key_position = F.pad(key_position, (0, key_length - held), value=-1)  # (B, S)
+    # the keys' true positions without branching on `past` (a static cache's fill level is data in an exported
+    # graph): cached keys continue before the first query, new keys are the queries, empty slots -1
+    relative = torch.arange(key_length, device=device) - past  # (S,): slot minus the first query's
+    key_position = positions.gather(1, relative.clamp(0, length - 1).expand(batch, -1))  # (B, S)
+    key_position = torch.where(relative < 0, positions[:, :1] + relative, key_position)
+    key_position = torch.where(relative >= length, -1, key_position)
     key_real = mask.key_padding if mask.key_padding is not None else key_position >= 0  # (B, S)
     query_block, key_block = positions // block, key_position.clamp(min=0) // block  # (B, T), (B, S)
     distance = query_block[:, :, None] - key_block[:, None, :]  # (B, T, S), in blocks
