@@ -368,3 +368,19 @@ def test_the_dense_form_of_exported_graphs_equals_the_gathered_kernel(pattern, m
     actual = dense_block_sparse_attention(attention, query, key, value, packed, positions, True)
     for dense_result, gathered_result in zip(actual, expected, strict=True):
         torch.testing.assert_close(dense_result, gathered_result, atol=ATOL, rtol=0)
+
+
+def test_clients_that_cannot_run_it_are_refused_up_front_naming_why():
+    """kvpress's presses (evicting tokens would move cached keys into other blocks), continuous batching and vLLM's
+    transformers backend (their attention functions score every key), the native and GGUF exports (no architecture
+    computes it)."""
+    from hf_attn_zoo.models.clients_zoo import continuous_batching_refusal, kv_compression_refusal, vllm_refusal_line
+
+    model = bigbird()
+    attention_class, config = model.model.attention_class, model.config
+    with pytest.raises(AttributeError, match="kvpress.*position from its slot"):
+        model.model.layers[0].self_attn.rotary_emb = model.model.rotary_emb
+    assert "slot" in kv_compression_refusal(attention_class, config)
+    assert "window, global and random blocks" in continuous_batching_refusal(attention_class, config)
+    assert "window, global and random blocks" in vllm_refusal_line(attention_class, config)
+    assert attention_class.native_format is None and attention_class.gguf_architecture is None
