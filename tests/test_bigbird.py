@@ -384,3 +384,23 @@ def test_clients_that_cannot_run_it_are_refused_up_front_naming_why():
     assert "window, global and random blocks" in continuous_batching_refusal(attention_class, config)
     assert "window, global and random blocks" in vllm_refusal_line(attention_class, config)
     assert attention_class.native_format is None and attention_class.gguf_architecture is None
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_padding_after_cached_tokens_is_skipped(dense, monkeypatch):
+    """A cache already holding tokens, then a chunk that starts with padding (PEFT's prefix tuning puts its virtual
+    tokens before a left-padded prompt so): the real tokens get what they get without the padding, blocks counted over
+    the real tokens, in the gathered kernel and in the exported graphs' dense form."""
+    if dense:
+        monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    model = bigbird()
+    generator = torch.Generator().manual_seed(6)
+    first, second = torch.randint(3, VOCAB_SIZE, (1, 8), generator=generator), torch.randint(3, VOCAB_SIZE, (1, 20))
+    with torch.no_grad():
+        expected = model(torch.cat((first, second), dim=1)).logits[:, 8:]
+        cache = DynamicCache()
+        model(first, **{CACHE_KWARG: cache})
+        padded = torch.cat((torch.zeros(1, 5, dtype=torch.long), second), dim=1)
+        mask = torch.cat((torch.ones(1, 8), torch.zeros(1, 5), torch.ones(1, 20)), dim=1).long()
+        actual = model(padded, attention_mask=mask, **{CACHE_KWARG: cache}).logits[:, 5:]
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)

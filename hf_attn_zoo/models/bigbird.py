@@ -41,7 +41,6 @@ from .heads_zoo import variant_heads
 from .masks_zoo import BlockwiseCausalMask
 from .mha import ZooMultiHeadAttention
 from .modeling_zoo import ZooModel
-from .positions_zoo import key_positions
 from .seq2seq_zoo import seq2seq_classes
 
 HASH_MODULUS = 2**31 - 1  # every hash value is below it, so products stay below 2^62 in int64
@@ -174,6 +173,48 @@ class ZooBigBirdAttention(ZooMultiHeadAttention):
         return choose_random_blocks(order[None], candidates[:, None], config.num_random_blocks)
 
 
+def key_positions_of(
+    positions: torch.LongTensor, mask: BlockwiseCausalMask, key_length: int
+) -> tuple[torch.LongTensor, torch.Tensor, torch.LongTensor | None]:
+    """The true positions of the S key slots `(B, S)` (-1 where none), whether each holds a real token `(B, S)`, and
+    with a padding mask the offset `(B, 1)` of the positions over the count of real keys before them (else None), for
+    queries at `positions` `(B, T)` after `mask.past_length` cached slots.
+
+    With a padding mask, the real keys are counted along the row (padding anywhere, cached or new, is skipped), offset
+    so that the real queries keep their given positions; PEFT's prefix tuning, whose virtual tokens sit in the cache
+    before a left-padded prompt, thus gets its prefix at positions 0 .. n - 1. Without one, the cached keys continue
+    contiguously before the first query and the new keys are the queries (a packed row's restarting positions
+    included). Neither branches on `past`: a static cache's fill level is data in an exported graph."""
+    batch, length = positions.shape
+    past, device = mask.past_length, positions.device
+    if mask.key_padding is not None:
+        real = mask.key_padding  # (B, S)
+        counted = real.long().cumsum(-1) - 1  # (B, S): the count of real keys before, as default positions count
+        query_real = real[:, past : past + length]  # (B, T)
+        gap = positions - counted[:, past : past + length]  # (B, T): 0 unless positions were given otherwise
+        offset = torch.where(query_real, gap, torch.iinfo(torch.long).min).amax(-1, keepdim=True)  # (B, 1)
+        offset = torch.where(query_real.any(-1, keepdim=True), offset, 0)
+        return torch.where(real, counted + offset, -1), real, offset
+    relative = torch.arange(key_length, device=device) - past  # (S,): slot minus the first query's
+    key_position = positions.gather(1, relative.clamp(0, length - 1).expand(batch, -1))  # (B, S)
+    key_position = torch.where(relative < 0, positions[:, :1] + relative, key_position)
+    key_position = torch.where(relative >= length, -1, key_position)
+    return key_position, key_position >= 0, None
+
+
+def slots_holding(
+    key_positions: torch.LongTensor, key_real: torch.Tensor, offset: torch.LongTensor | None, origin: torch.Tensor
+) -> torch.LongTensor:
+    """The key slot of each of `key_positions` `(B, M)`, to be checked against the slot's position (the caller does):
+    with a padding mask (`offset`), the slot of the real key counted `position - offset` (padding anywhere skipped, by
+    a binary search over the running count); without one the keys are contiguous and it is `origin` `(B, M)`, the
+    slot of position 0 of the query's sequence, plus the position. May fall outside [0, S)."""
+    if offset is None:
+        return origin + key_positions
+    running = key_real.long().cumsum(-1)  # (B, S): real keys up to each slot
+    return torch.searchsorted(running, (key_positions - offset + 1).contiguous())  # the first slot reaching that count
+
+
 def block_sparse_attention(
     module: ZooBigBirdAttention,
     query: torch.Tensor,
@@ -201,25 +242,29 @@ def block_sparse_attention(
     # keys: their true positions (the cached ones continue before the first query; a static cache's empty slots -1),
     # whether they are real, their documents
     held = past + length
-    key_position = key_positions(positions, past) if past else positions  # (B, past + T)
-    key_position = F.pad(key_position, (0, key_length - held), value=-1)  # (B, S)
-    key_real = mask.key_padding if mask.key_padding is not None else key_position >= 0  # (B, S)
+    key_position, key_real, offset = key_positions_of(positions, mask, key_length)  # (B, S) x 2, (B, 1) or None
     query_real = key_real[:, past:held]  # (B, T)
     query_slot = torch.arange(past, held, device=device).expand(batch, length)  # (B, T): the queries' key slots
 
-    # the grid: a new grid block where the block's first slot changes (or real tokens give way to padding)
-    offset = torch.where(query_real, positions % block, query_slot % block)  # (B, T): the cell within the block
-    first_slot = query_slot - offset  # (B, T)
-    change = (first_slot[:, 1:] != first_slot[:, :-1]) | (query_real[:, 1:] != query_real[:, :-1])  # (B, T - 1)
+    # the grid: a new grid block where the block's first slot or its block changes (or real tokens give way to
+    # padding); a block split by padding takes two grid blocks, each computing the block's pattern for its queries
+    within = torch.where(query_real, positions % block, query_slot % block)  # (B, T): the cell within the block
+    first_slot = query_slot - within  # (B, T)
+    position_block = positions // block  # (B, T)
+    change = (
+        (first_slot[:, 1:] != first_slot[:, :-1])
+        | (position_block[:, 1:] != position_block[:, :-1])
+        | (query_real[:, 1:] != query_real[:, :-1])
+    )  # (B, T - 1)
     grid_block = F.pad(change.long().cumsum(-1), (1, 0))  # (B, T)
     blocks = int(grid_block.max()) + 1  # N
-    cell = grid_block * block + offset  # (B, T): the query's cell in the flattened grid (B, N·b)
+    cell = grid_block * block + within  # (B, T): the query's cell in the flattened grid (B, N·b)
 
     def per_grid_block(values: torch.Tensor) -> torch.Tensor:
         """A value alike for every query of a grid block, `(B, T)` -> `(B, N)`."""
         return values.new_zeros(batch, blocks).scatter(1, grid_block, values)
 
-    query_block = per_grid_block(torch.where(query_real, positions // block, 0))  # (B, N)
+    query_block = per_grid_block(torch.where(query_real, position_block, 0))  # (B, N)
     origin = per_grid_block(query_slot - positions)  # (B, N): the slot of position 0 of the block's sequence
     real_block = per_grid_block(query_real.long()).bool()  # (B, N)
     cell_position = positions.new_full((batch, blocks * block), -1).scatter(1, cell, positions)  # (B, N·b)
@@ -234,7 +279,8 @@ def block_sparse_attention(
     # the keys of every grid block: (B, H, N, K, b) slots and the positions they must hold
     cells = torch.arange(block, device=device)
     expected = key_blocks[..., None] * block + cells  # (B, H, N, K, b)
-    slots = origin[:, None, :, None, None] + expected
+    origins = origin[:, None, :, None, None].expand_as(expected).flatten(1)  # (B, H·N·K·b)
+    slots = slots_holding(expected.flatten(1), key_real, offset, origins).view_as(expected)
     inside = (slots >= 0) & (slots < key_length)
     slots = slots.clamp(0, key_length - 1).flatten(2)  # (B, H, N·K·b)
     flat = slots.flatten(1)  # (B, H·N·K·b)
@@ -285,7 +331,18 @@ def block_sparse_attention(
 
     if not causal and config.num_global_blocks:
         output, weights = global_queries(
-            module, query, key, value, positions, query_real, key_real, sequence_blocks, output, weights
+            module,
+            query,
+            key,
+            value,
+            positions,
+            query_real,
+            key_real,
+            key_position,
+            offset,
+            sequence_blocks,
+            output,
+            weights,
         )
     return output.transpose(1, 2), weights  # (B, H, T, d_v) -> (B, T, H, d_v)
 
@@ -309,13 +366,7 @@ def dense_block_sparse_attention(
     key_length = key.shape[2]
     past, causal, device = mask.past_length, mask.causal, query.device
     held = past + length
-    # the keys' true positions without branching on `past` (a static cache's fill level is data in an exported
-    # graph): cached keys continue before the first query, new keys are the queries, empty slots -1
-    relative = torch.arange(key_length, device=device) - past  # (S,): slot minus the first query's
-    key_position = positions.gather(1, relative.clamp(0, length - 1).expand(batch, -1))  # (B, S)
-    key_position = torch.where(relative < 0, positions[:, :1] + relative, key_position)
-    key_position = torch.where(relative >= length, -1, key_position)
-    key_real = mask.key_padding if mask.key_padding is not None else key_position >= 0  # (B, S)
+    key_position, key_real, _ = key_positions_of(positions, mask, key_length)  # (B, S) x 2
     query_block, key_block = positions // block, key_position.clamp(min=0) // block  # (B, T), (B, S)
     distance = query_block[:, :, None] - key_block[:, None, :]  # (B, T, S), in blocks
     blocks = torch.arange((key_length + block - 1) // block + 1, device=device)  # key blocks that may be drawn
@@ -438,6 +489,8 @@ def global_queries(
     positions: torch.LongTensor,
     query_real: torch.Tensor,
     key_real: torch.Tensor,
+    key_position: torch.LongTensor,
+    offset: torch.LongTensor | None,
     sequence_blocks: torch.Tensor,
     output: torch.Tensor,
     weights: torch.Tensor | None,
@@ -459,10 +512,14 @@ def global_queries(
     # a tail position inside the head blocks (a short row) is already there, and positions past the row are none
     in_head = torch.arange(global_positions.shape[1], device=device) < front * block  # (g·b,)
     exists = (global_positions < real_tokens) & (in_head | (global_positions >= front * block))  # (B, g·b)
-    # the slot of each: position 0 sits where any real query's slot minus its position says
+    # the slot of each (an encoder's queries are its keys): without padding, position 0 sits where any real query's
+    # slot minus its position says
     slot_of_first = torch.where(query_real, torch.arange(length, device=device) - positions, length)
-    origin = slot_of_first.min(-1, keepdim=True).values  # (B, 1)
-    slots = torch.where(exists, origin + global_positions, length)  # (B, g·b); length: no query
+    origin = slot_of_first.min(-1, keepdim=True).values.expand_as(global_positions)  # (B, g·b)
+    slots = slots_holding(global_positions, key_real, offset, origin)  # (B, g·b)
+    inside = (slots >= 0) & (slots < length)
+    exists = exists & inside & (key_position.gather(1, slots.clamp(0, length - 1)) == global_positions)
+    slots = torch.where(exists, slots, length)  # length: no such query
     index = slots.clamp(max=length - 1)[:, None, :, None]  # (B, 1, g·b, 1)
     selected = query.gather(2, index.expand(batch, heads, -1, width))  # (B, H, g·b, d)
     groups = heads // key.shape[1]
