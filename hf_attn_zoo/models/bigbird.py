@@ -22,7 +22,9 @@ form draws among the blocks of the row (its candidates depend on the row's lengt
 
 Blocks are counted over true positions (`reads_positions`): a left-padded row or a packed document is cut into the
 blocks it has alone. The kernel scatters the queries into blocks, gathers each block's (w + g + r)·b keys and
-values by index, and runs a softmax over them; nothing of size T x S is formed unless the weights are asked for.
+values by index, and runs a softmax over them; nothing of size T x S is formed unless the weights are asked for. A
+graph being compiled or exported cannot size the grid of blocks from the data: there the same pattern runs as a dense
+(T, S) mask (`dense_block_sparse_attention`), O(T²).
 
 Cache: keys and values of every token, as GQA (2·L·G·d_h per token): random blocks reach back anywhere. A decoding
 step scores (w + g + r)·b keys. Positions: RoPE (default), sinusoidal, learned, none; ALiBi is refused (BigBird uses
@@ -158,9 +160,10 @@ class ZooBigBirdAttention(ZooMultiHeadAttention):
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=query.device)[None]
         positions = position_ids.expand(batch, length).long()  # (B, T)
-        # a graph with a dynamic length cannot size the grid of blocks from the data: while exporting, the same
-        # pattern as a dense (T, S) mask, O(T·S)
-        kernel = dense_block_sparse_attention if torch.compiler.is_exporting() else block_sparse_attention
+        # a graph cannot size the grid of blocks from the data (fullgraph compilation, export): while compiling or
+        # exporting, the same pattern as a dense (T, S) mask, O(T·S)
+        traced = torch.compiler.is_exporting() or torch.compiler.is_compiling()
+        kernel = dense_block_sparse_attention if traced else block_sparse_attention
         return kernel(self, query, key, value, attention_mask, positions, kwargs.get("output_attentions"))
 
     def random_blocks(self, query_blocks: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,10 +232,10 @@ def block_sparse_attention(
     weights `(B, H, T, S)` when asked for.
 
     Each query goes into the cell of its block (its position modulo b) of a grid of blocks `(B, H, N, b, d)`; each
-    grid block gathers the keys of its blocks, `(B, H, N, (w + g + r)·b, d)`, by slot: the key at position p of the
-    query's sequence sits p - p_query slots from the query (real tokens are contiguous, left padding and packed
-    documents included). A gathered key counts only where its slot holds that position, is real and is of the
-    query's document, so nothing is read across a boundary."""
+    grid block gathers the keys of its blocks, `(B, H, N, (w + g + r)·b, d)`, by slot (`slots_holding`: without
+    padding the key at position p of the query's sequence sits p - p_query slots from the query, packed documents
+    included; with padding it is found by counting real tokens). A gathered key counts only where its slot holds that
+    position, is real and is of the query's document, so nothing is read across a boundary."""
     config = module.config
     block = config.attention_block_size
     batch, heads, length, width = query.shape
@@ -357,9 +360,9 @@ def dense_block_sparse_attention(
     output_attentions: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The same attention as `block_sparse_attention` (same arguments and results) with the pattern as a dense
-    `(B, H, T, S)` mask over every key: O(T·S), free of shapes read from the data, for a graph being exported. A key
-    is allowed where its block is in the query's pattern (by the keys' true positions), it is real, of the query's
-    document, and (causal) not after the query."""
+    `(B, H, T, S)` mask over every key: O(T·S), free of shapes read from the data, for a graph being compiled or
+    exported. A key is allowed where its block is in the query's pattern (by the keys' true positions), it is real,
+    of the query's document, and (causal) not after the query."""
     config = module.config
     block, window = config.attention_block_size, config.num_window_blocks
     batch, heads, length, _ = query.shape
