@@ -245,10 +245,18 @@ def test_encoder_decoder_equals_dense_attention_under_the_block_masks(pattern):
 # --- the parity anchor: transformers' BigBirdBlockSparseAttention ------------------------------------------------
 
 
-def test_bidirectional_form_equals_transformers_block_sparse_attention(monkeypatch):
+@pytest.mark.parametrize(
+    "heads, width, block, random_count, blocks",
+    [(2, 16, 4, 2, 12), (4, 8, 8, 3, 13), (3, 8, 2, 1, 9)],
+    ids=["b4-r2", "b8-r3", "b2-r1"],
+)
+def test_bidirectional_form_equals_transformers_block_sparse_attention(
+    heads, width, block, random_count, blocks, monkeypatch
+):
     """transformers' `BigBirdBlockSparseAttention` (ITC: a window of 3 blocks, the first and last blocks global, r
     random blocks) and the zoo's bidirectional attention with w=3, g=2, given the same query, key and value
-    projections and the same random blocks, agree to 1e-5 on a tiny config built here.
+    projections and the same random blocks, agree to 1e-5 on tiny configs built here (9 to 13 blocks of 2 to 8
+    positions, 1 to 3 random blocks).
 
     transformers draws its random blocks with numpy inside `_bigbird_block_rand_mask_with_head` (and, in eval mode,
     returns all zeros there: every query block's random blocks are then block 0, already global). The zoo's blocks
@@ -258,8 +266,7 @@ def test_bidirectional_form_equals_transformers_block_sparse_attention(monkeypat
     from transformers import BigBirdConfig
     from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention, BigBirdModel
 
-    heads, width, block, random_count, length, batch = 2, 16, 4, 2, 48, 2
-    blocks = length // block
+    length, batch = blocks * block, 2
     theirs_config = BigBirdConfig(
         hidden_size=heads * width,
         num_attention_heads=heads,
