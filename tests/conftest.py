@@ -138,6 +138,28 @@ CONFORMANCE["linear"] = {
     "reference": references.linear_attention,
 }
 
+CONFORMANCE["bigbird"] = {
+    # blocks of 2 positions: a window of 3 blocks, 2 global blocks and 1 random block; over 16 tokens (8 blocks) each
+    # later block skips some earlier ones, and the causal cut inside a block matters
+    "config": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_block_size=2,
+        num_window_blocks=3,
+        num_global_blocks=2,
+        num_random_blocks=1,
+    ),
+    "invalid": [
+        (dict(attention_block_size=0), "attention_block_size"),
+        (dict(num_window_blocks=0), "num_window_blocks"),
+        (dict(num_window_blocks=2, is_encoder_decoder=True), "num_window_blocks"),
+        (dict(num_global_blocks=-1), "num_global_blocks"),
+        (dict(num_random_blocks=1.5), "num_random_blocks"),
+        (dict(random_blocks_seed=-3), "random_blocks_seed"),
+    ],
+    "reference": references.bigbird_attention,
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()

@@ -311,6 +311,78 @@ def linear_attention(attn, hidden, positions, attention_mask, config, causal=Tru
     return attn.o_proj(out.float().reshape(batch, length, heads * head_dim))
 
 
+def bigbird_hash(seed: int, layer: int, head: int, query_block: int, key_block: int) -> int:
+    """The random blocks' hash of (seed, layer, head, query block, key block), in Python integers: each step maps
+    x, v to ((x xor v)·1103515245 + 12345) mod (2^31 - 1), then x xor (x >> 16), then (x·69069 + 1) mod (2^31 - 1)."""
+    modulus = 2**31 - 1
+    state = seed
+    for value in (layer, head, query_block, key_block):
+        state = ((state ^ value) * 1103515245 + 12345) % modulus
+        state ^= state >> 16
+        state = (state * 69069 + 1) % modulus
+    return state
+
+
+def bigbird_blocks(config, layer: int, head: int, query_block: int, blocks: int | None, causal: bool) -> set[int]:
+    """Zaheer et al. 2020: the key blocks query block i attends to. Causal: the window i - w + 1 .. i, the first g
+    blocks up to i, and the r candidates among g .. i - w with the smallest (hash, block). Bidirectional (ITC) in a
+    row of `blocks` blocks: the window i - (w - 1)/2 .. i + (w - 1)/2, the first ceil(g/2) and the last floor(g/2)
+    blocks, and r random blocks among the others."""
+    w, g, r = config.num_window_blocks, config.num_global_blocks, config.num_random_blocks
+    seed = config.random_blocks_seed
+    if causal:
+        chosen = {j for j in range(query_block - w + 1, query_block + 1) if j >= 0}
+        chosen |= {j for j in range(g) if j <= query_block}
+        candidates = [j for j in range(query_block + 1) if j not in chosen]
+    else:
+        half, front, back = (w - 1) // 2, (g + 1) // 2, g // 2
+        chosen = {j for j in range(query_block - half, query_block + half + 1) if 0 <= j < blocks}
+        chosen |= {j for j in range(front) if j < blocks} | {j for j in range(blocks - back, blocks) if j >= 0}
+        candidates = [j for j in range(blocks) if j not in chosen]
+    candidates.sort(key=lambda j: (bigbird_hash(seed, layer, head, query_block, j), j))
+    return chosen | set(candidates[:r])
+
+
+def bigbird_attention(attn, hidden, positions, attention_mask, config, causal=True):
+    """BigBird's block-sparse attention as dense softmax attention under its explicit block mask, one (row, head,
+    query) at a time: query at position p (block p // b) sees the real keys of its document whose blocks
+    `bigbird_blocks` lists (causal: at positions <= p); in the bidirectional form the queries of the global blocks
+    see every real key of the row. Documents of a packed row start where the positions restart at 0."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    size = config.attention_block_size
+    q = attn.q_proj(hidden).view(batch, length, heads, head_dim)
+    k = attn.k_proj(hidden).view(batch, length, kv_heads, head_dim)
+    v = attn.v_proj(hidden).view(batch, length, kv_heads, head_dim)
+    if config.position_embedding_type == "rope":
+        theta = config.rope_parameters["rope_theta"]
+        q, k = rotate(q, positions, theta), rotate(k, positions, theta)
+    out = torch.zeros(batch, length, heads, head_dim)
+    for b in range(batch):
+        real = attention_mask[b].bool()
+        documents = torch.cumsum((positions[b] == 0) & real, 0)  # a document starts at each real position 0
+        blocks = math.ceil(int(real.sum()) / size)  # the bidirectional form reads one document per row
+        front, back = (config.num_global_blocks + 1) // 2, config.num_global_blocks // 2
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            for i in range(length):
+                if not real[i]:  # a padding query: its output is never compared
+                    continue
+                query_block = int(positions[b, i]) // size
+                every = not causal and (query_block < front or query_block >= blocks - back)
+                allowed = torch.zeros(length, dtype=torch.bool)
+                pattern = bigbird_blocks(config, attn.layer_idx, h, query_block, blocks, causal)
+                for j in range(length):
+                    if not real[j] or documents[j] != documents[i]:
+                        continue
+                    if causal and positions[b, j] > positions[b, i]:
+                        continue
+                    allowed[j] = every or int(positions[b, j]) // size in pattern
+                scores = k[b, :, g] @ q[b, i, h] * head_dim**-0.5
+                out[b, i, h] = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v[b, :, g]
+    return attn.o_proj(out.reshape(batch, length, heads * head_dim))
+
+
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):
     """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
     config = model.config

@@ -248,11 +248,11 @@ def test_press_on_topk_keeps_what_it_keeps_on_llama(press_name, works_with):
 
 
 @pytest.mark.parametrize("press_name", PRESSES)
-@pytest.mark.parametrize("name", ["additive", "differential", "mla"])
+@pytest.mark.parametrize("name", ["additive", "bigbird", "differential", "mla"])
 def test_press_on_a_variant_it_cannot_be_faithful_to_refuses_saying_why(name, press_name, works_with):
     """Additive scores, differential's two maps and MLA's latent are not the attention the presses rebuild from
-    `q_proj` and the rotary embedding: entering the press fails at once, before any token runs, with the variant's
-    reason."""
+    `q_proj` and the rotary embedding, and BigBird places its cached keys by slot, which evicting shifts: entering the
+    press fails at once, before any token runs, with the variant's reason."""
     model = tiny_model(name)
     reason = kv_compression_refusal(model.model.attention_class, model.config)
     assert reason and "\n" not in reason

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
-from . import additive, aft, differential, linear, linformer, mha, mla, rnn, sliding_window, topk
+from . import additive, aft, bigbird, differential, linear, linformer, mha, mla, rnn, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .heads_zoo import ZooForCausalLM
 from .layers_zoo import ZooAttention, ZooMLP
@@ -176,6 +176,7 @@ register_variant(additive.ZooAdditiveForCausalLM)
 register_variant(differential.ZooDifferentialForCausalLM)
 register_variant(mla.ZooMLAForCausalLM)
 register_variant(linear.ZooLinearForCausalLM)
+register_variant(bigbird.ZooBigBirdForCausalLM)
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ with one line naming the tool, the reason and the fix, rather than failing insid
 
 Variants do not write these sentences. Their attention class declares facts about its math, on `ZooAttention`:
 `decodes_from_state()` (a running state instead of per-token keys and values), `cached_widths` and `caches` (what a
-layer keeps per token), `maps_per_head` (differential attention's two), `scores` (a score that is not a dot
-product), `keeps_scores` (a selection before the softmax), `backends` (whether transformers' attention functions run
-it) and the config's position type. Every refusal below follows from those, so a new variant answers every client by
-stating its math, and a new client is one function here. The backbone (`ZooAttention.__setattr__`,
-`ZooModel._check_cache`, the vLLM path of the MHA family's attention), `hf_attn_zoo.serving` and the client tests
-read this module.
+layer keeps per token), `maps_per_head` (differential attention's two), `scores` (a score that is not a dot product),
+`keeps_scores` (a selection before the softmax), `reads_positions` (a kernel that places keys by position), `backends`
+(whether transformers' attention functions run it) and the config's position type. Every refusal below follows from
+those, so a new variant answers every client by stating its math, and a new client is one function here. The backbone
+(`ZooAttention.__setattr__`, `ZooModel._check_cache`, the vLLM path of the MHA family's attention),
+`hf_attn_zoo.serving` and the client tests read this module.
 
 Like its siblings it travels next to every saved checkpoint (remote code), so it imports only torch.
 """
@@ -130,6 +130,10 @@ def kv_compression_refusal(attention: type, config) -> str | None:
     if attention.decodes_from_state():
         return f"{STATE}, with no per-token keys and values to evict"
     every_press = "; refused for every press"
+    if attention.reads_positions:
+        # the kernel finds a cached key's position from its slot (keys are contiguous): evicting tokens would move
+        # every later key into another position, and so into another block or none
+        return f"it reads each cached key's position from its slot, which evicting tokens shifts{every_press}"
     if attention.caches is not None:
         return (
             f"its cache holds {attention.caches} per token, not per-head keys and values, so presses that rebuild "
