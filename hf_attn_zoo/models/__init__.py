@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
-from . import additive, aft, differential, linear, linformer, mha, mla, rnn, sliding_window, topk
+from . import additive, aft, differential, linear, linformer, mamba, mha, mla, rnn, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .heads_zoo import ZooForCausalLM
 from .layers_zoo import ZooAttention, ZooMLP
@@ -125,7 +125,8 @@ class ZooVariant(RegisteredModel):
 
     def lora_targets_for(self, config: ZooConfig) -> list[str]:
         """PEFT `target_modules` of a model of `config` (a config can change which projections exist)."""
-        return [*self.attention_class.lora_modules(config), *ZooMLP.lora_targets]
+        mlp = ZooMLP.lora_targets if config.mlp_type != "none" else ()
+        return [*self.attention_class.lora_modules(config), *mlp]
 
     def build(self, size: str | None = None, *, attn_implementation: str | None = None, **fields) -> ZooForCausalLM:
         """A freshly initialised causal LM of `config(size, **fields)` on `default_backend` unless told otherwise."""
@@ -176,6 +177,7 @@ register_variant(additive.ZooAdditiveForCausalLM)
 register_variant(differential.ZooDifferentialForCausalLM)
 register_variant(mla.ZooMLAForCausalLM)
 register_variant(linear.ZooLinearForCausalLM)
+register_variant(mamba.ZooMambaForCausalLM)
 
 
 @dataclass(frozen=True)
