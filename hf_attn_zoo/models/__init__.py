@@ -8,9 +8,10 @@ targets, family, how to build it) is read off its classes there, so no other mod
 Sequence-to-sequence models join `SEQ2SEQ` instead, with `register_seq2seq(ForConditionalGenerationClass)`: they
 are registered with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM` the same way, but stay out of `VARIANTS`,
 whose entries are decoder-only variants (the decoder conformance suite runs over every one of them). Every variant
-is also a Transformer encoder-decoder (`seq2seq_zoo`): `SEQ2SEQ` lists it under the variant's name, with the
-variant's config class (`is_encoder_decoder=True` selects that shape); `AutoModel` keeps mapping the config class to
-the decoder-only base model, which hands encoder-decoder configs to the variant's encoder-decoder base model.
+with a bidirectional form (all but Mamba) is also a Transformer encoder-decoder (`seq2seq_zoo`): `SEQ2SEQ` lists it
+under the variant's name, with the variant's config class (`is_encoder_decoder=True` selects that shape);
+`AutoModel` keeps mapping the config class to the decoder-only base model, which hands encoder-decoder configs to the
+variant's encoder-decoder base model.
 
 The other modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
 else from the package; this file is the only one that is not copied.
@@ -232,7 +233,8 @@ def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
 
 register_seq2seq(rnn.ZooRNNForConditionalGeneration)
 for _variant in VARIANTS.values():
-    register_seq2seq(_variant.model_class.seq2seq_model_class.generation_class)
+    if _variant.model_class.seq2seq_model_class is not None:  # none where no bidirectional form exists (Mamba)
+        register_seq2seq(_variant.model_class.seq2seq_model_class.generation_class)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

@@ -163,6 +163,8 @@ class ZooAttention(ZooModule):
     # subclass states its own: each variant computes another function than its parent class.
     native_format: ClassVar[str | None] = None
     gguf_architecture: ClassVar[str | None] = None
+    # why no GGUF file holds it, where `gguf_architecture` is None (`hf-attn-zoo export --to gguf` says it)
+    gguf_absence: ClassVar[str] = "llama.cpp has no architecture that computes its attention"
     # Conversion from an MHA-family parent (`hf_attn_zoo.convert.transfer.convert_attention`): the projections that
     # mean here what they mean in the parent's attention, taken from it where the shapes allow (key/value rows
     # repeated or mean-pooled to this config's key/value heads); every other parameter starts fresh. None: the

@@ -32,7 +32,8 @@ before the convolution and its Δ is 0, so the state passes a padding token unch
 
 Positions: none. The convolution and the recurrence see the order; `position_embedding_type` is "none" only (adding
 absolute positions is not the paper's model). No encoder form: the scan is causal by construction and Mamba-1
-defines no bidirectional one, so an encoder-decoder of this variant is refused. `output_attentions` gives None (there
+defines no bidirectional one, so this variant has no encoder-decoder classes and its config refuses
+`is_encoder_decoder=True` and `is_decoder=False`. `output_attentions` gives None (there
 are no attention weights). Deviation from the paper: none beyond the backbone's final norm and tied embeddings, both
 as transformers' `MambaForCausalLM`; the fused CUDA kernels are not used (the scan is plain torch).
 """
@@ -52,7 +53,6 @@ from .heads_zoo import variant_heads
 from .layers_zoo import ZooAttention
 from .masks_zoo import TokenMask
 from .modeling_zoo import ZooModel
-from .seq2seq_zoo import seq2seq_classes
 
 MAMBA_REFUSAL = (
     "{model_type} has no bidirectional form: Mamba-1's selective scan is causal by construction (each state folds in "
@@ -133,22 +133,22 @@ class ZooMambaConfig(ZooConfig):
             raise ValueError(MAMBA_REFUSAL.format(model_type=self.model_type, field=field))
 
 
-def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, past: torch.Tensor, documents=None
-) -> torch.Tensor:
-    """The depthwise causal convolution of `x` `(B, D, T)` after the `past` `(B, D, k - 1)` inputs, `weight`
-    `(D, 1, k)` -> `(B, D, T)`. With `documents` `(B, T)` (a packed row, `past` zeros) a token reads only inputs of
-    its own document."""
+def causal_conv(conv: nn.Conv1d, x: torch.Tensor, past: torch.Tensor, documents=None) -> torch.Tensor:
+    """The depthwise causal convolution `conv` (no padding of its own) of `x` `(B, D, T)` after the `past` `(B, D,
+    k - 1)` inputs -> `(B, D, T)`. With `documents` `(B, T)` (a packed row, `past` zeros) a token reads only inputs of
+    its own document. The weights are read through `conv`'s own forward, so offloading hooks (accelerate) see them."""
     full = torch.cat((past, x), dim=-1)  # (B, D, k - 1 + T)
     if documents is None:
-        return F.conv1d(full, weight, bias, groups=x.shape[1])
-    kernel = weight.shape[-1]
-    windows = full.unfold(-1, kernel, 1)  # (B, D, T, k): the window of token t ends at t
+        return conv(full)
+    batch, width, length = x.shape
+    kernel = conv.kernel_size[0]
     # the document of every window entry; the k - 1 entries before the row belong to none (-1)
     padded = F.pad(documents, (kernel - 1, 0), value=-1)  # (B, k - 1 + T)
     same = padded.unfold(-1, kernel, 1) == documents[..., None]  # (B, T, k)
-    out = (windows * same[:, None].to(x.dtype) * weight[:, 0][None, :, None, :]).sum(-1)  # (B, D, T)
-    return out if bias is None else out + bias[None, :, None]
+    windows = full.unfold(-1, kernel, 1) * same[:, None].to(x.dtype)  # (B, D, T, k): token t's window, its document's
+    # each window convolved alone: (B, D, T, k) -> (B, T, D, k) -> (B·T, D, k) -> (B·T, D, 1) -> (B, T, D) -> (B, D, T)
+    windows = windows.permute(0, 2, 1, 3).reshape(batch * length, width, kernel)
+    return conv(windows).view(batch, length, width).transpose(1, 2)
 
 
 def selective_scan(
@@ -207,8 +207,12 @@ class ZooMambaMixer(ZooAttention):
     `conv1d`, `x_proj` to (Δ's low-rank input, B, C), `dt_proj` to Δ, the scan over `A_log` and `D`, `out_proj`."""
 
     family = "mamba"
-    native_format = None
+    native_format = "mamba"  # transformers' MambaForCausalLM (`hf_attn_zoo.convert.mamba`)
     gguf_architecture = None
+    gguf_absence = (
+        "llama.cpp's mamba architecture holds it, but the zoo's GGUF writer does not write it yet (its ssm_* tensors "
+        "and state-space metadata); export it --to mamba and convert that with llama.cpp's convert_hf_to_gguf.py"
+    )
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
     cache_layer = ZooStateLayer  # {"conv": (B, D, k - 1), "ssm": (B, D, N)}: nothing grows with the length
@@ -299,6 +303,10 @@ class ZooMambaMixer(ZooAttention):
         dtype = hidden_states.dtype
         padding = attention_mask.padding if attention_mask is not None else None  # (B, T) or None
         documents = attention_mask.documents if attention_mask is not None else None
+        if documents is not None and not torch.compiler.is_compiling() and not bool(documents[:, -1].any()):
+            # one document per row (no cache, no padding mask: transformers' packed-row rule still applies) is the
+            # plain row: the same kernel, so a forward gives the same bits with or without use_cache
+            documents = None
         x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)  # (B, T, 2D) -> (B, T, D) x 2
         if padding is not None:  # padding enters neither the convolution nor the state
             x = x * padding[..., None].to(x.dtype)
@@ -307,11 +315,13 @@ class ZooMambaMixer(ZooAttention):
         held = layer and layer.read()
         past = held["conv"] if held else x.new_zeros(batch, self.intermediate_size, self.conv_kernel_size - 1)
         inputs = torch.cat((past, x), dim=-1)  # (B, D, k - 1 + T): what the next step's window starts from
-        x = self.act(causal_conv(x, self.conv1d.weight, self.conv1d.bias, past, documents))  # (B, D, T)
-        time_step, B, C = self.x_proj(x.transpose(1, 2)).split(
+        x = self.act(causal_conv(self.conv1d, x, past, documents))  # (B, D, T)
+        # contiguous inputs (here and for dt_proj): a matmul over a strided view may round differently from one buffer
+        # to another (measured: LoRA-wrapped projections, 2e-6)
+        time_step, B, C = self.x_proj(x.transpose(1, 2).contiguous()).split(
             [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1
         )  # (B, T, R), (B, T, N), (B, T, N)
-        delta = F.softplus(self.dt_proj(time_step)).float().transpose(1, 2)  # (B, T, D) -> (B, D, T)
+        delta = F.softplus(self.dt_proj(time_step.contiguous())).float().transpose(1, 2)  # (B, T, D) -> (B, D, T)
         if padding is not None:  # Δ = 0: the state passes a padding token unchanged
             delta = delta * padding[:, None, :].to(delta.dtype)
         A = -torch.exp(self.A_log.float())  # (D, N)
@@ -322,7 +332,8 @@ class ZooMambaMixer(ZooAttention):
         y = (y + x.float() * self.D.float()[None, :, None]) * F.silu(gate.float().transpose(1, 2))  # (B, D, T)
         if layer is not None:
             layer.write({"conv": inputs[..., inputs.shape[-1] - (self.conv_kernel_size - 1) :], "ssm": state}, length)
-        return self.out_proj(y.transpose(1, 2).to(dtype)), None  # (B, D, T) -> (B, T, D) -> (B, T, hidden)
+        y = y.transpose(1, 2).to(dtype).contiguous()  # (B, D, T) -> (B, T, D), contiguous as x_proj's input
+        return self.out_proj(y), None  # (B, T, hidden)
 
 
 class ZooMambaModel(ZooModel):
@@ -336,10 +347,3 @@ class ZooMambaModel(ZooModel):
     ZooMambaForTokenClassification,
     ZooMambaForQuestionAnswering,
 ) = variant_heads(ZooMambaModel)
-# bound for the registry's uniformity; building them refuses (`bidirectional_refusal`, the config's check)
-(
-    ZooMambaEncoder,
-    ZooMambaDecoder,
-    ZooMambaSeq2SeqModel,
-    ZooMambaForConditionalGeneration,
-) = seq2seq_classes(ZooMambaModel)
