@@ -52,6 +52,7 @@ COLOURS = {
     "differential": "#b8860b",
     "mla": "#000080",
     "linear": "#dc143c",
+    "mamba": "#6a5acd",
     # pooling (MHA -> GQA/MQA) and MLA conversion methods
     "mean": "tab:blue",
     "first": "tab:orange",
