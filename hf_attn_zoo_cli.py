@@ -14,7 +14,7 @@
                                           layer trained to reproduce the original's
     hf-attn-zoo export CKPT --to native|llama|qwen2|mistral|deepseek_v3|mamba|gguf OUT [--dtype q8_0]   the native
                                           transformers model (no remote code) or a GGUF file for llama.cpp
-    hf-attn-zoo import CKPT OUT           a Llama, Mistral, Qwen2, dense DeepSeek or Mamba checkpoint as its zoo variant
+    hf-attn-zoo import CKPT OUT           a Llama, Mistral, Qwen2, dense DeepSeek, Mamba checkpoint as its zoo variant
     hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
     hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,

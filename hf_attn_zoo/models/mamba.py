@@ -210,8 +210,8 @@ class ZooMambaMixer(ZooAttention):
     native_format = "mamba"  # transformers' MambaForCausalLM (`hf_attn_zoo.convert.mamba`)
     gguf_architecture = None
     gguf_absence = (
-        "llama.cpp's mamba architecture holds it, but the zoo's GGUF writer does not write it yet (its ssm_* tensors "
-        "and state-space metadata); export it --to mamba and convert that with llama.cpp's convert_hf_to_gguf.py"
+        "llama.cpp's mamba architecture holds it, but the zoo's GGUF writer does not write its ssm_* tensors and "
+        "state-space metadata yet"
     )
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
