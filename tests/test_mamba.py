@@ -12,7 +12,16 @@ from hf_attn_zoo.export import export_checkpoint, import_checkpoint
 from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.models.mamba import selective_scan
 
-from conftest import ATOL, VOCAB_SIZE, left_padded_batch, positions_from_mask, returned_cache, tiny_config, tiny_model
+from conftest import (
+    ATOL,
+    VOCAB_SIZE,
+    assert_loads_without_the_package,
+    left_padded_batch,
+    positions_from_mask,
+    returned_cache,
+    tiny_config,
+    tiny_model,
+)
 
 
 def scan_inputs(batch=2, width=6, states=5, length=23, seed=0):
@@ -247,3 +256,16 @@ def test_bfloat16_model_keeps_its_scan_in_float32():
         logits = model(torch.randint(3, VOCAB_SIZE, (1, 1)), cache=cache, use_cache=True).logits
     assert cache.layers[0].read()["ssm"].dtype == torch.float32
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_remote_code_loads_an_imported_mamba_without_the_package(tmp_path):
+    """A checkpoint imported from transformers' Mamba carries the zoo's code (mamba.py and its siblings) and loads by
+    `trust_remote_code` where hf_attn_zoo cannot be imported, with the same logits."""
+    imported = import_checkpoint_of(native_mamba(), tmp_path)
+    assert (imported / "mamba.py").is_file()
+    assert_loads_without_the_package(imported, tmp_path)
+
+
+def import_checkpoint_of(native: MambaForCausalLM, tmp_path):
+    native.save_pretrained(tmp_path / "native")
+    return import_checkpoint(tmp_path / "native", tmp_path / "zoo")
