@@ -12,9 +12,9 @@
     hf-attn-zoo convert SRC OUT --to gqa|mqa [--num_key_value_heads G] [--method mean]   pool key/value heads
     hf-attn-zoo convert SRC OUT --to VARIANT --transfer --tokens N --data FILE...   any variant, each attention
                                           layer trained to reproduce the original's
-    hf-attn-zoo export CKPT --to native|llama|qwen2|mistral|deepseek_v3|gguf OUT [--dtype q8_0]   the native
+    hf-attn-zoo export CKPT --to native|llama|qwen2|mistral|deepseek_v3|mamba|gguf OUT [--dtype q8_0]   the native
                                           transformers model (no remote code) or a GGUF file for llama.cpp
-    hf-attn-zoo import CKPT OUT           a Llama, Mistral, Qwen2 or dense DeepSeek checkpoint as its zoo variant
+    hf-attn-zoo import CKPT OUT           a Llama, Mistral, Qwen2, dense DeepSeek, Mamba checkpoint as its zoo variant
     hf-attn-zoo push CHECKPOINT REPO [--revision R] [--private]   upload a saved checkpoint to the Hugging Face Hub
     hf-attn-zoo serve CHECKPOINT [--port P] [--continuous_batching]   transformers' OpenAI-compatible server
     hf-attn-zoo demo [options]            the main job: train a small model on Python's standard library, score it,
@@ -290,11 +290,11 @@ class ConvertOptions:
 class ExportOptions:
     checkpoint: str = positional("zoo checkpoint folder (as training, convert or save_pretrained wrote it)")
     out: Path = positional("output folder: new or empty (native: model, tokenizer, card; gguf: OUT/OUT.gguf)")
-    to: Literal["native", "llama", "qwen2", "mistral", "deepseek_v3", "gguf"] = field(
+    to: Literal["native", "llama", "qwen2", "mistral", "deepseek_v3", "mamba", "gguf"] = field(
         default="native",
         metadata={
             "help": "native: the variant's own architecture (MHA family: llama, sliding window: mistral, mla: "
-            "deepseek_v3); gguf: one file for llama.cpp / ollama with the tokenizer inside"
+            "deepseek_v3, mamba: mamba); gguf: one file for llama.cpp / ollama with the tokenizer inside"
         },
     )
     dtype: str | None = field(

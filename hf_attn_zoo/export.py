@@ -1,16 +1,17 @@
 """`hf-attn-zoo export`: a zoo checkpoint as the model deployment engines already run, and `hf-attn-zoo import` back.
 
-    export_checkpoint(CKPT, "native" | "llama" | "qwen2" | "mistral" | "deepseek_v3", OUT)
+    export_checkpoint(CKPT, "native" | "llama" | "qwen2" | "mistral" | "deepseek_v3" | "mamba", OUT)
         the native transformers model computing the same function (loads with no remote code, so vLLM's own model
         classes, TGI and SGLang take it too), with the tokenizer, generation_config.json and a model card
     export_checkpoint(CKPT, "gguf", OUT, dtype="f32" | "f16" | "q8_0")
         OUT/<name>.gguf for llama.cpp (and ollama, llama-cpp-python), tokenizer inside
     import_checkpoint(CKPT, OUT)
-        a native Llama, Mistral, Qwen2 or dense DeepSeek-V2/V3 checkpoint as the zoo variant computing it
+        a native Llama, Mistral, Qwen2, dense DeepSeek-V2/V3 or Mamba checkpoint as the zoo variant computing it
 
 Which native architecture holds a variant is a fact of its attention class (`native_format`, `gguf_architecture`:
-Llama for the MHA family, Mistral for the sliding window, DeepSeek-V3 for MLA); what a format lacks for a given
-config is said by the converters (`native_refusal`, `deepseek_refusal`, `gguf_refusal`). A refusal is a `UserError`
+Llama for the MHA family, Mistral for the sliding window, DeepSeek-V3 for MLA, Mamba for mamba); what a format lacks
+for a given config is said by the converters (`native_refusal`, `deepseek_refusal`, `mamba_refusal`,
+`gguf_refusal`). A refusal is a `UserError`
 (a `ValueError`) of one line naming the checkpoint, what the format lacks and what to do instead; it comes before
 any weight is read, and the output folder is never touched: an existing non-empty one is refused first, and the
 export is written into a hidden sibling folder renamed into place at the end.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from .errors import MissingPathError, UserError
 
-NATIVE_FORMATS = ("llama", "qwen2", "mistral", "deepseek_v3")
+NATIVE_FORMATS = ("llama", "qwen2", "mistral", "deepseek_v3", "mamba")
 FORMATS = ("native", *NATIVE_FORMATS, "gguf")
 NATIVE_DTYPES = ("float32", "float16", "bfloat16")
 INSTEAD = (
@@ -81,9 +82,12 @@ def refusal(config, to: str) -> str | None:
     from .convert.deepseek import deepseek_refusal
     from .convert.gguf_writer import gguf_refusal
     from .convert.llama import native_refusal
+    from .convert.mamba import mamba_refusal
 
     if to == "gguf":
         return gguf_refusal(config)
+    if to == "mamba":
+        return mamba_refusal(config)
     if to == "deepseek_v3":
         return deepseek_refusal(config)
     return native_refusal(config, to)
@@ -199,6 +203,7 @@ def export_checkpoint(
     from .convert.deepseek import to_deepseek
     from .convert.gguf_writer import write_gguf
     from .convert.llama import to_native
+    from .convert.mamba import to_mamba
     from .loading import TOKENIZER_FILES
     from .models import get_variant
 
@@ -231,7 +236,12 @@ def export_checkpoint(
             (staging / "README.md").write_text(card, encoding="utf-8")
             publish(staging, output_dir)
             return output_dir / f"{name}.gguf"
-        native = to_deepseek(model) if target == "deepseek_v3" else to_native(model, target)
+        if target == "deepseek_v3":
+            native = to_deepseek(model)
+        elif target == "mamba":
+            native = to_mamba(model)
+        else:
+            native = to_native(model, target)
         saved_dtype = getattr(torch, dtype) if dtype else (config.dtype or torch.float32)
         if isinstance(saved_dtype, str):
             saved_dtype = getattr(torch, saved_dtype)
@@ -250,28 +260,32 @@ def export_checkpoint(
 
 
 def import_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
-    """A native checkpoint folder (Llama, Mistral, Qwen2, dense DeepSeek-V2/V3) saved as the zoo variant computing
-    the same function (`from_llama`, `from_mistral`, `from_deepseek`), with its tokenizer and a zoo model card."""
+    """A native checkpoint folder (Llama, Mistral, Qwen2, dense DeepSeek-V2/V3, Mamba) saved as the zoo variant
+    computing the same function (`from_llama`, `from_mistral`, `from_deepseek`, `from_mamba`), with its tokenizer and
+    a zoo model card."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .checkpoints import save_checkpoint
     from .convert.deepseek import DEEPSEEK_TYPES, from_deepseek
     from .convert.llama import LLAMA_FAMILY, from_llama, from_mistral
+    from .convert.mamba import from_mamba
     from .loading import TOKENIZER_FILES, check_model_folder
 
     checkpoint, output_dir = Path(checkpoint).expanduser(), Path(output_dir).expanduser()
     check_output_folder(output_dir)
     check_model_folder(checkpoint, tokenizer=False)
     config = AutoConfig.from_pretrained(checkpoint)
-    if config.model_type not in (*LLAMA_FAMILY, *DEEPSEEK_TYPES):
+    if config.model_type not in (*LLAMA_FAMILY, *DEEPSEEK_TYPES, "mamba"):
         raise UserError(
-            f"{checkpoint} is a {config.model_type} checkpoint; import takes {', '.join(LLAMA_FAMILY)} and dense "
-            f"{' / '.join(DEEPSEEK_TYPES)} ones."
+            f"{checkpoint} is a {config.model_type} checkpoint; import takes {', '.join(LLAMA_FAMILY)}, dense "
+            f"{' / '.join(DEEPSEEK_TYPES)} and mamba ones."
         )
     native = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     try:
         if config.model_type in DEEPSEEK_TYPES:
             model = from_deepseek(native)
+        elif config.model_type == "mamba":
+            model = from_mamba(native)
         elif config.model_type == "mistral":
             model = from_mistral(native)
         else:

@@ -160,6 +160,22 @@ CONFORMANCE["bigbird"] = {
     "reference": references.bigbird_attention,
 }
 
+CONFORMANCE["mamba"] = {
+    # the mixer 64 wide (intermediate_size=64 below), 8 states, a kernel of 4 and chunks of 4 tokens: the carried
+    # state across chunks, the decays inside them and the convolution's window across a chunked prefill all matter
+    "config": dict(state_size=8, scan_chunk_size=4),
+    "invalid": [
+        (dict(state_size=0), "state_size"),
+        (dict(conv_kernel=0), "conv_kernel"),
+        (dict(scan_chunk_size=0), "scan_chunk_size"),
+        (dict(mlp_type="gated"), "mlp_type"),
+        (dict(time_step_min=0.2, time_step_max=0.1), "time_step_min"),
+        (dict(is_encoder_decoder=True), "is_encoder_decoder"),
+        (dict(is_decoder=False), "is_decoder"),
+    ],
+    "reference": references.mamba_mixer,
+}
+
 CASES = [
     pytest.param(name, position, id=f"{name}-{position}")
     for name, variant in VARIANTS.items()

@@ -383,6 +383,39 @@ def bigbird_attention(attn, hidden, positions, attention_mask, config, causal=Tr
     return attn.o_proj(out.reshape(batch, length, heads * head_dim))
 
 
+def mamba_mixer(mixer, hidden, positions, attention_mask, config, causal=True):
+    """Gu & Dao 2023, Algorithm 2, one row and one token at a time in float64: x, z = in_proj(u); x_t =
+    act(Σ_j w_j x_{t-k+1+j} + b) over the row's real tokens (earlier ones are zeros); Δ_t = softplus(dt_proj(x_t
+    W_Δ)), B_t = x_t W_B, C_t = x_t W_C; h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t with A = -exp(A_log); y_t = C_t h_t +
+    D x_t, gated by silu(z_t). Padding tokens are skipped (their outputs are never compared). Causal only: Mamba has
+    no bidirectional form."""
+    assert causal, "Mamba-1 has no bidirectional form"
+    batch, length, _ = hidden.shape
+    rank, states, kernel = config.time_step_rank, config.state_size, config.conv_kernel
+    projected = mixer.in_proj(hidden).double()
+    x_all, z_all = projected.chunk(2, dim=-1)  # (B, T, D) each
+    weight = mixer.conv1d.weight[:, 0].double()  # (D, k)
+    bias = mixer.conv1d.bias.double() if mixer.conv1d.bias is not None else 0.0
+    x_proj, dt_weight = mixer.x_proj.weight.double(), mixer.dt_proj.weight.double()
+    dt_bias = mixer.dt_proj.bias.double()
+    A, D = -torch.exp(mixer.A_log.double()), mixer.D.double()
+    act = torch.nn.functional.silu
+    out = torch.zeros(batch, length, config.intermediate_size, dtype=torch.float64)
+    for b in range(batch):
+        real = [t for t in range(length) if attention_mask[b, t]]
+        h = torch.zeros(config.intermediate_size, states, dtype=torch.float64)
+        for i, t in enumerate(real):
+            window = [real[i - kernel + 1 + j] if i - kernel + 1 + j >= 0 else None for j in range(kernel)]
+            conv = sum(weight[:, j] * x_all[b, s] for j, s in enumerate(window) if s is not None) + bias
+            x = act(conv)
+            parameters = x_proj @ x
+            time_step, B, C = parameters[:rank], parameters[rank : rank + states], parameters[rank + states :]
+            delta = torch.nn.functional.softplus(dt_weight @ time_step + dt_bias)  # (D,)
+            h = torch.exp(delta[:, None] * A) * h + (delta[:, None] * B[None, :]) * x[:, None]
+            out[b, t] = (h @ C + D * x) * act(z_all[b, t])
+    return mixer.out_proj(out.float())
+
+
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):
     """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
     config = model.config
@@ -396,7 +429,8 @@ def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         x = x + config.sinusoid_amplitude * sinusoid(positions, config.hidden_size)
     for layer in model.model.layers:
         x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if layer.mlp is not None:  # `mlp_type="none"` (Mamba's blocks) has none
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.model.norm(x))
 
 

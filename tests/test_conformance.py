@@ -364,6 +364,8 @@ def test_residual_projections_start_scaled(name):
         expected = (
             config.initializer_range / (2 * config.num_hidden_layers) ** 0.5 if scaled else config.initializer_range
         )
-        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        projections = (layer.self_attn.o_proj,) if layer.mlp is None else (layer.self_attn.o_proj, layer.mlp.down_proj)
+        for projection in projections:
             assert projection.weight.std().item() == pytest.approx(expected, rel=0.1), (name, scaled)
-        assert layer.mlp.up_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)
+        if layer.mlp is not None:  # `mlp_type="none"` (Mamba's blocks) has none
+            assert layer.mlp.up_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)

@@ -4,7 +4,7 @@ composition of zoo encoders and decoders with transformers' `EncoderDecoderModel
 
 import pytest
 import torch
-from test_translators import START, TRANSFORMERS, source_batch, target_batch, tiny_translator
+from test_translators import ENCODER_VARIANTS, START, TRANSFORMERS, source_batch, target_batch, tiny_translator
 from transformers import AutoModel, AutoModelForSeq2SeqLM, BertConfig, BertModel, EncoderDecoderModel
 
 from hf_attn_zoo.models import SEQ2SEQ, VARIANTS, aft
@@ -78,7 +78,7 @@ def test_a_variant_without_a_bidirectional_form_is_refused_for_the_encoder(monke
 
 
 def test_registry_and_auto_model_routing():
-    assert set(VARIANTS) | {"rnn"} == set(SEQ2SEQ)
+    assert set(ENCODER_VARIANTS) | {"rnn"} == set(SEQ2SEQ)
     config = tiny_config("gqa", is_encoder_decoder=True, decoder_start_token_id=START)
     assert type(AutoModel.from_config(config)).__name__ == "ZooGQASeq2SeqModel"
     assert type(AutoModelForSeq2SeqLM.from_config(config)).__name__ == "ZooGQAForConditionalGeneration"
@@ -137,4 +137,9 @@ def test_zoo_encoder_and_decoder_compose_in_encoder_decoder_model(tmp_path):
 
 def test_every_case_is_covered():
     assert set(CONFORMANCE) >= set(VARIANTS)
-    assert {name for name in TRANSFORMERS if "-" not in name} == set(VARIANTS)
+    assert {name for name in TRANSFORMERS if "-" not in name} == set(ENCODER_VARIANTS)
+    # a variant left out has no encoder form, and says so before any layer is built
+    assert set(SEQ2SEQ) == set(ENCODER_VARIANTS) | {"rnn"}
+    for name in set(VARIANTS) - set(ENCODER_VARIANTS):
+        with pytest.raises(ValueError, match="no bidirectional form.*is_encoder_decoder=True"):
+            tiny_config(name, is_encoder_decoder=True, decoder_start_token_id=START)

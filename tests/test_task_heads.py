@@ -12,8 +12,9 @@ from hf_attn_zoo.models import VARIANTS
 from conftest import VOCAB_SIZE, tiny_model
 
 # one variant of each family: scaled dot product, window, compressed keys, attention-free, top-k, additive score,
-# linear (running sums of a feature map), block-sparse (window, global and random blocks)
-FAMILIES = ["gqa", "sliding_window", "linformer", "aft_simple", "topk", "additive", "linear", "bigbird"]
+# linear (running sums of a feature map), block-sparse (window, global and random blocks), a selective state space
+# (Mamba)
+FAMILIES = ["gqa", "sliding_window", "linformer", "aft_simple", "topk", "additive", "linear", "bigbird", "mamba"]
 
 
 def separable_examples(count: int, seed: int) -> list[dict]:

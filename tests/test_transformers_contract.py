@@ -264,13 +264,17 @@ def test_offloaded_loading_gives_the_same_logits_and_tokens(name, fields, tmp_pa
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_wrong_shape_names_the_fields_the_owning_module_declares(name, tmp_path):
-    tiny_model(name).save_pretrained(tmp_path)
+    model = tiny_model(name)
+    model.save_pretrained(tmp_path)
+    # the MLP's first projection; without an MLP (`mlp_type="none"`, Mamba) the mixer's, which intermediate_size sizes
+    owner, projection = ("mlp", "up_proj") if model.model.layers[0].mlp is not None else ("self_attn", "in_proj")
+    rows = 48 if owner == "mlp" else 2 * 48  # Mamba's in_proj holds x and the gate
     config = AutoConfig.from_pretrained(tmp_path)
     config.intermediate_size = 48
-    with pytest.raises(ValueError, match=r"mlp\.up_proj\.weight.*sized by intermediate_size, hidden_size"):
+    with pytest.raises(ValueError, match=rf"{owner}\.{projection}\.weight.*sized by intermediate_size, hidden_size"):
         AutoModelForCausalLM.from_pretrained(tmp_path, config=config)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, config=config, ignore_mismatched_sizes=True)
-    assert model.model.layers[0].mlp.up_proj.weight.shape == (48, 32)
+    assert getattr(getattr(model.model.layers[0], owner), projection).weight.shape == (rows, 32)
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,14 @@ import references
 from conftest import ATOL, CACHE_KWARG, CONFORMANCE, VOCAB_SIZE, returned_cache, tiny_config
 
 START = 1  # decoder_start_token_id
-# every variant with MHA cross-attention, then the other cross-attention kinds over the MHA family
-TRANSFORMERS = {name: {} for name in VARIANTS} | {
+# every variant with a bidirectional form (an encoder) with MHA cross-attention, then the other cross-attention kinds
+# over the MHA family; a variant without one (Mamba) refuses the encoder-decoder (test_seq2seq)
+ENCODER_VARIANTS = [
+    name
+    for name, variant in VARIANTS.items()
+    if variant.attention_class.bidirectional_refusal(variant.config()) is None
+]
+TRANSFORMERS = {name: {} for name in ENCODER_VARIANTS} | {
     "gqa-cross_gqa": {"cross_attention_num_key_value_heads": 2},
     "mha-cross_mqa": {"cross_attention_num_key_value_heads": 1},
     "mha-cross_additive": {"cross_attention": "additive", "cross_attention_additive_dim": 6},

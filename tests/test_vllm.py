@@ -303,8 +303,8 @@ DEEPSEEK_IN_VLLM = (
     "model and transformers' DeepseekV3 give (tests/test_vllm.py, DEEPSEEK_IN_VLLM)"
 )
 # the variants a native architecture computes (`hf-attn-zoo export --to native`: the MHA family as Llama, sliding
-# window as Mistral, MLA as DeepSeek-V3's latent attention)
-EXPORTABLE = ["mha", "gqa", "mqa", "single_head", "sliding_window", "mla"]
+# window as Mistral, MLA as DeepSeek-V3's latent attention, Mamba as MambaForCausalLM)
+EXPORTABLE = ["mha", "gqa", "mqa", "single_head", "sliding_window", "mla", "mamba"]
 NATIVE = [
     pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=DEEPSEEK_IN_VLLM)) if name == "mla" else name
     for name in EXPORTABLE

@@ -49,7 +49,7 @@ def gguf_refusal(config) -> str | None:
     variant = get_variant(config.model_type)
     architecture = variant.attention_class.gguf_architecture
     if architecture is None:
-        return "llama.cpp has no architecture that computes its attention"
+        return variant.attention_class.gguf_absence
     for field, required in LLAMA_BACKBONE.items():
         if getattr(config, field) != required:
             return f"{field}={getattr(config, field)!r}: llama.cpp's {architecture} needs {required!r}"

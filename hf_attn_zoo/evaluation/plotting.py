@@ -53,6 +53,7 @@ COLOURS = {
     "mla": "#000080",
     "linear": "#dc143c",
     "bigbird": "#6a5acd",
+    "mamba": "#008b8b",
     # pooling (MHA -> GQA/MQA) and MLA conversion methods
     "mean": "tab:blue",
     "first": "tab:orange",

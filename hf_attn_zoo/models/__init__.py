@@ -8,9 +8,10 @@ targets, family, how to build it) is read off its classes there, so no other mod
 Sequence-to-sequence models join `SEQ2SEQ` instead, with `register_seq2seq(ForConditionalGenerationClass)`: they
 are registered with `AutoConfig`, `AutoModel` and `AutoModelForSeq2SeqLM` the same way, but stay out of `VARIANTS`,
 whose entries are decoder-only variants (the decoder conformance suite runs over every one of them). Every variant
-is also a Transformer encoder-decoder (`seq2seq_zoo`): `SEQ2SEQ` lists it under the variant's name, with the
-variant's config class (`is_encoder_decoder=True` selects that shape); `AutoModel` keeps mapping the config class to
-the decoder-only base model, which hands encoder-decoder configs to the variant's encoder-decoder base model.
+with a bidirectional form (all but Mamba) is also a Transformer encoder-decoder (`seq2seq_zoo`): `SEQ2SEQ` lists it
+under the variant's name, with the variant's config class (`is_encoder_decoder=True` selects that shape);
+`AutoModel` keeps mapping the config class to the decoder-only base model, which hands encoder-decoder configs to the
+variant's encoder-decoder base model.
 
 The other modules of this folder are what a checkpoint carries for `trust_remote_code` loading, so they import nothing
 else from the package; this file is the only one that is not copied.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
-from . import additive, aft, bigbird, differential, linear, linformer, mha, mla, rnn, sliding_window, topk
+from . import additive, aft, bigbird, differential, linear, linformer, mamba, mha, mla, rnn, sliding_window, topk
 from .configuration_zoo import POSITION_EMBEDDING_TYPES, ZooConfig
 from .heads_zoo import ZooForCausalLM
 from .layers_zoo import ZooAttention, ZooMLP
@@ -125,7 +126,8 @@ class ZooVariant(RegisteredModel):
 
     def lora_targets_for(self, config: ZooConfig) -> list[str]:
         """PEFT `target_modules` of a model of `config` (a config can change which projections exist)."""
-        return [*self.attention_class.lora_modules(config), *ZooMLP.lora_targets]
+        mlp = ZooMLP.lora_targets if config.mlp_type != "none" else ()
+        return [*self.attention_class.lora_modules(config), *mlp]
 
     def build(self, size: str | None = None, *, attn_implementation: str | None = None, **fields) -> ZooForCausalLM:
         """A freshly initialised causal LM of `config(size, **fields)` on `default_backend` unless told otherwise."""
@@ -177,6 +179,7 @@ register_variant(differential.ZooDifferentialForCausalLM)
 register_variant(mla.ZooMLAForCausalLM)
 register_variant(linear.ZooLinearForCausalLM)
 register_variant(bigbird.ZooBigBirdForCausalLM)
+register_variant(mamba.ZooMambaForCausalLM)
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,8 @@ def register_seq2seq(generation_class: type) -> ZooSeq2SeqModel:
 
 register_seq2seq(rnn.ZooRNNForConditionalGeneration)
 for _variant in VARIANTS.values():
-    register_seq2seq(_variant.model_class.seq2seq_model_class.generation_class)
+    if _variant.model_class.seq2seq_model_class is not None:  # none where no bidirectional form exists (Mamba)
+        register_seq2seq(_variant.model_class.seq2seq_model_class.generation_class)
 
 
 def get_variant(name_or_model_type: str) -> ZooVariant:

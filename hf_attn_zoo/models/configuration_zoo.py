@@ -23,7 +23,7 @@ from .compat_zoo import CACHE_KWARG, ZooConfigBase
 
 POSITION_EMBEDDING_TYPES = ("rope", "alibi", "sinusoidal", "learned", "none")
 NORM_TYPES = ("rmsnorm", "layernorm")
-MLP_TYPES = ("gated", "plain")
+MLP_TYPES = ("gated", "plain", "none")
 CROSS_ATTENTIONS = ("dot", "additive")
 
 # The backbone of each preset size; a variant's presets add its own fields (`sized`).
@@ -74,7 +74,8 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
         head_dim (`int`, *optional*): width of a head; defaults to `hidden_size // num_attention_heads`.
         hidden_act (`str`): activation of the MLP (any key of `transformers.activations.ACT2FN`).
         mlp_type (`str`): `"gated"` is `down(act(gate(x)) * up(x))` (SwiGLU with `hidden_act="silu"`, as Llama);
-            `"plain"` is `down(act(up(x)))` (GPT-2 with `hidden_act="gelu_new"`).
+            `"plain"` is `down(act(up(x)))` (GPT-2 with `hidden_act="gelu_new"`); `"none"` leaves the MLP out, each
+            layer then `x + attn(norm(x))` alone (Mamba's blocks, whose mixer has its own expansion and gate).
         norm_type (`str`): `"rmsnorm"` (Llama) or `"layernorm"` (GPT-2, with bias).
         max_position_embeddings (`int`): longest sequence the model is built for (size of `learned` positions).
         position_embedding_type (`str`): one of `rope` (rotary, Su et al. 2021), `alibi` (linear biases, Press et al.

@@ -163,6 +163,8 @@ class ZooAttention(ZooModule):
     # subclass states its own: each variant computes another function than its parent class.
     native_format: ClassVar[str | None] = None
     gguf_architecture: ClassVar[str | None] = None
+    # why no GGUF file holds it, where `gguf_architecture` is None (`hf-attn-zoo export --to gguf` says it)
+    gguf_absence: ClassVar[str] = "llama.cpp has no architecture that computes its attention"
     # Conversion from an MHA-family parent (`hf_attn_zoo.convert.transfer.convert_attention`): the projections that
     # mean here what they mean in the parent's attention, taken from it where the shapes allow (key/value rows
     # repeated or mean-pooled to this config's key/value heads); every other parameter starts fresh. None: the
@@ -279,7 +281,8 @@ class ZooAttention(ZooModule):
 
 
 class ZooDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`, each branch with residual dropout.
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (unless `mlp_type="none"`), each branch with
+    residual dropout.
 
     With `cross_attention` (a decoder of an encoder-decoder) a third branch sits between the two, as in Vaswani et
     al. 2017: `x + encoder_attn(encoder_attn_layer_norm(x), encoder outputs)`. `ZooEncoderLayer` is the encoder's."""
@@ -305,12 +308,15 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
             self.self_attn.is_causal = False
         self.encoder_attn_layer_norm = make_norm(config) if cross_attention else None
         self.encoder_attn = cross_attention_class(config)(config, layer_idx) if cross_attention else None
-        self.post_attention_layernorm = make_norm(config)
-        self.mlp = ZooMLP(config)
+        # `mlp_type="none"`: no MLP branch and no norm before it (Mamba's blocks)
+        has_mlp = config.mlp_type != "none"
+        self.post_attention_layernorm = make_norm(config) if has_mlp else None
+        self.mlp = ZooMLP(config) if has_mlp else None
         self.hidden_dropout = config.hidden_dropout
         # the projections that write into the residual stream: `_init_weights` gives them GPT-2's scaled init
-        for projection in (self.self_attn.o_proj, self.mlp.down_proj):
-            projection.writes_residual = True
+        self.self_attn.o_proj.writes_residual = True
+        if self.mlp is not None:
+            self.mlp.down_proj.writes_residual = True
         if self.encoder_attn is not None:
             self.encoder_attn.o_proj.writes_residual = True
 
@@ -350,6 +356,8 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
                 output_attentions=bool(kwargs.get("output_attentions")),
             )
             hidden_states = hidden_states + self._dropout(cross_output)
+        if self.mlp is None:
+            return hidden_states
         return hidden_states + self._dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
