@@ -21,13 +21,21 @@ def test_the_page_table_is_rendered_from_the_recorded_results():
 # client's test states (and xfails strictly, so the cell changes when the client is fixed)
 KNOWN_FAILURES: set[tuple[str, str]] = set()  # none today: vLLM's DeepseekV3 on the MLA export is refused up front
 
+# (client, variant) cells no run has recorded yet, each with why: the table says "not tested" there
+NOT_TESTED: dict[tuple[str, str], str] = {
+    ("vllm-native", "mamba"): "vLLM's own MambaForCausalLM on the native export needs the vLLM venv "
+    "(tests/test_vllm.py -m slow -k mamba), which no run has built since zoo_mamba landed",
+}
+
 
 def test_every_client_has_an_answer_for_every_variant():
     """Every cell is "works" or an up-front refusal with its reason (or one of the known failures, with its reason);
     the MHA family and sliding window work with every client."""
     assert set(RESULTS) == set(works_with.CLIENTS)
     for client, outcomes in RESULTS.items():
-        assert set(outcomes) == {name for name in VARIANTS if name in CONFORMANCE}, client
+        untested = {name for (where, name) in NOT_TESTED if where == client}
+        assert set(outcomes) | untested == {name for name in VARIANTS if name in CONFORMANCE}, client
+        assert not untested & set(outcomes), (client, "recorded now: remove it from NOT_TESTED")
         for name, outcome in outcomes.items():
             if (client, name) in KNOWN_FAILURES and outcome.startswith("fails: "):
                 continue

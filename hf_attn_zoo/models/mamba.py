@@ -82,13 +82,13 @@ class ZooMambaConfig(ZooConfig):
     model_type = "zoo_mamba"
     paper = 'Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces"'
     arxiv = ("2312.00752",)
-    # no heads: the backbone's head fields stay at one head of hidden_size (unused by the mixer). Twice the layers of
-    # the attention presets, as the paper sizes Mamba against Transformers (a block of ~6·d² parameters where a
-    # Transformer layer has ~12·d²): base is Mamba-130M's shape (24 layers of 768)
+    # no heads: the presets name none, so the head fields keep the class's one head (unused by the mixer), and tools
+    # that scale heads (the quality board) leave them alone. Twice the layers of the attention presets, as the paper
+    # sizes Mamba against Transformers (a block of ~6·d² parameters where a Transformer layer has ~12·d²): base is
+    # Mamba-130M's shape (24 layers of 768)
     presets: ClassVar[dict[str, dict]] = {
         size: {
-            **{k: v for k, v in backbone.items() if k != "intermediate_size"},
-            "num_attention_heads": 1,
+            **{k: v for k, v in backbone.items() if k not in ("intermediate_size", "num_attention_heads")},
             "num_hidden_layers": layers,
         }
         for (size, backbone), layers in zip(BACKBONE_SIZES.items(), (2, 12, 24))
