@@ -5,6 +5,7 @@ formulas: explicit loops over batch rows and heads, dense boolean masks, and pos
 """
 
 import math
+from functools import partial
 
 import torch
 
@@ -416,6 +417,14 @@ def mamba_mixer(mixer, hidden, positions, attention_mask, config, causal=True):
     return mixer.out_proj(out.float())
 
 
+def residual(x: torch.Tensor, norm, branch, config) -> torch.Tensor:
+    """One residual branch: pre-norm `x + f(norm(x))` (GPT-2, Llama), or post-norm `norm(x + f(x))` (Vaswani et al.
+    2017, section 3.1: LayerNorm(x + Sublayer(x)))."""
+    if config.norm_position == "post":
+        return norm(x + branch(x))
+    return x + branch(norm(x))
+
+
 def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, attention=softmax_attention):
     """Logits of a zoo model recomputed layer by layer with the naive `attention` and true positions."""
     config = model.config
@@ -428,9 +437,10 @@ def causal_lm_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     elif config.position_embedding_type == "sinusoidal":  # of the config's amplitude
         x = x + config.sinusoid_amplitude * sinusoid(positions, config.hidden_size)
     for layer in model.model.layers:
-        x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config)
+        mixer = partial(attention, layer.self_attn, positions=positions, attention_mask=attention_mask, config=config)
+        x = residual(x, layer.input_layernorm, mixer, config)
         if layer.mlp is not None:  # `mlp_type="none"` (Mamba's blocks) has none
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = residual(x, layer.post_attention_layernorm, layer.mlp, config)
     return model.lm_head(model.model.norm(x))
 
 
@@ -480,16 +490,21 @@ def seq2seq_logits(model, input_ids, attention_mask, decoder_input_ids, attentio
     positions = true_positions(attention_mask)
     x = embed(encoder, input_ids, positions)
     for layer in encoder.layers:
-        x = x + attention(layer.self_attn, layer.input_layernorm(x), positions, attention_mask, config, causal=False)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        mixer = partial(
+            attention, layer.self_attn, positions=positions, attention_mask=attention_mask, config=config, causal=False
+        )
+        x = residual(x, layer.input_layernorm, mixer, config)
+        x = residual(x, layer.post_attention_layernorm, layer.mlp, config)
     memory = encoder.norm(x)
     target_mask = torch.ones_like(decoder_input_ids)
     positions = true_positions(target_mask)
     y = embed(decoder, decoder_input_ids, positions)
     for layer in decoder.layers:
-        y = y + attention(layer.self_attn, layer.input_layernorm(y), positions, target_mask, config)
-        y = y + cross_attention(layer.encoder_attn, layer.encoder_attn_layer_norm(y), memory, attention_mask)
-        y = y + layer.mlp(layer.post_attention_layernorm(y))
+        mixer = partial(attention, layer.self_attn, positions=positions, attention_mask=target_mask, config=config)
+        y = residual(y, layer.input_layernorm, mixer, config)
+        reader = partial(cross_attention, layer.encoder_attn, memory=memory, memory_mask=attention_mask)
+        y = residual(y, layer.encoder_attn_layer_norm, reader, config)
+        y = residual(y, layer.post_attention_layernorm, layer.mlp, config)
     return model.lm_head(decoder.norm(y))
 
 

@@ -206,6 +206,7 @@ def test_invalid_configs_raise_naming_the_field(name):
             (dict(num_hidden_layers=0), "num_hidden_layers"),
             (dict(vocab_size=-5), "vocab_size"),
             (dict(norm_type="batchnorm"), "norm_type"),
+            (dict(norm_position="middle"), "norm_position"),
             (dict(mlp_type="moe"), "mlp_type"),
             (dict(hidden_act="swish2"), "hidden_act"),
             (dict(attention_dropout=1.5), "attention_dropout"),
@@ -277,6 +278,34 @@ def test_matches_naive_reference(name, position):
         actual = model(input_ids, attention_mask=attention_mask).logits
     for i, row in enumerate(rows):
         torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla", "mamba"])
+def test_post_norm_matches_the_reference_and_decodes_as_it_reads(name):
+    """`norm_position="post"`: every branch `norm(x + f(x))` (Vaswani et al. 2017), against the naive reference, and
+    decoding from the cache token by token equals the uncached forward."""
+    model = tiny_model(name, norm_position="post")
+    pre = tiny_model(name)
+    input_ids, attention_mask, rows = left_padded_batch()
+    with torch.no_grad():
+        expected = references.causal_lm_logits(model, input_ids, attention_mask, CONFORMANCE[name]["reference"])
+        actual = model(input_ids, attention_mask=attention_mask).logits
+        assert (actual - pre(input_ids, attention_mask=attention_mask).logits).abs().max() > 1e-2  # not ignored
+        cache, pieces = None, []
+        for t in range(input_ids.shape[1]):
+            out = model(
+                input_ids[:, t : t + 1],
+                attention_mask=attention_mask[:, : t + 1],
+                position_ids=positions_from_mask(attention_mask)[:, t : t + 1],
+                cache=cache,
+                use_cache=True,
+            )
+            cache = returned_cache(out)
+            pieces.append(out.logits)
+    decoded = torch.cat(pieces, dim=1)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
+        torch.testing.assert_close(decoded[i, -len(row) :], actual[i, -len(row) :], atol=ATOL, rtol=0)
 
 
 def test_differential_without_its_head_norm_matches_the_reference():

@@ -104,7 +104,11 @@ def test_round_trip_through_llama():
 
 @pytest.mark.parametrize(
     "overrides, field",
-    [(dict(position_embedding_type="alibi"), "position_embedding_type"), (dict(norm_type="layernorm"), "norm_type")],
+    [
+        (dict(position_embedding_type="alibi"), "position_embedding_type"),
+        (dict(norm_type="layernorm"), "norm_type"),
+        (dict(norm_position="post"), "norm_position"),
+    ],
 )
 def test_to_llama_refuses_what_llama_cannot_express(overrides, field):
     with pytest.raises(ValueError, match=field):

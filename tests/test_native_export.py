@@ -136,6 +136,16 @@ def test_qwen2_refuses_an_output_bias_and_mistral_the_mha_family(tokenizer, tmp_
     assert export_checkpoint(biased, "llama", tmp_path / "llama").is_dir()  # Llama holds every bias
 
 
+@pytest.mark.parametrize("to", ["llama", "gguf"])
+def test_a_post_norm_model_is_refused_naming_the_field(to, tokenizer, tmp_path):
+    """Llama and llama.cpp normalise each branch's input: a post-norm model (`norm_position="post"`) computes another
+    function there, so the export stops before writing anything."""
+    checkpoint, _ = zoo_checkpoint(tmp_path / "zoo", "gqa", tokenizer, norm_position="post")
+    with pytest.raises(UserError, match="norm_position='post'") as refused:
+        export_checkpoint(checkpoint, to, tmp_path / to)
+    assert "\n" not in str(refused.value) and not (tmp_path / to).exists()
+
+
 @pytest.mark.parametrize("rope", [None, 4])
 def test_a_converted_mla_exports_to_deepseek_exactly(rope, tokenizer, tmp_path):
     """`convert --to mla` writes a latent without a norm and RoPE frequencies chosen per layer (all of them, or 2 of

@@ -38,6 +38,7 @@ TRANSFORMERS = {name: {} for name in ENCODER_VARIANTS} | {
     "gqa-cross_gqa": {"cross_attention_num_key_value_heads": 2},
     "mha-cross_mqa": {"cross_attention_num_key_value_heads": 1},
     "mha-cross_additive": {"cross_attention": "additive", "cross_attention_additive_dim": 6},
+    "mha-post_norm": {"norm_position": "post"},  # Vaswani et al.'s and Marian's place of the norms
 }
 # each attention kind of the RNN translator with each cell
 RNN_KINDS = [(attention, cell) for attention in ("bahdanau", "luong", "none") for cell in ("gru", "lstm")]

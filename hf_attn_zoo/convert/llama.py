@@ -54,7 +54,12 @@ SHARED_FIELDS = (
     "mlp_bias",
 )
 # What a zoo backbone must be for Llama to express it.
-LLAMA_BACKBONE = {"position_embedding_type": "rope", "norm_type": "rmsnorm", "mlp_type": "gated"}
+LLAMA_BACKBONE = {
+    "position_embedding_type": "rope",
+    "norm_type": "rmsnorm",
+    "norm_position": "pre",
+    "mlp_type": "gated",
+}
 
 
 def in_mha_family(name_or_model_type: str) -> bool:

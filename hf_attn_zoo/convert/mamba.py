@@ -48,7 +48,12 @@ SHARED_FIELDS = (
     "tie_word_embeddings",
 )
 # What a zoo backbone must be for Mamba to express it.
-MAMBA_BACKBONE = {"position_embedding_type": "none", "norm_type": "rmsnorm", "mlp_type": "none"}
+MAMBA_BACKBONE = {
+    "position_embedding_type": "none",
+    "norm_type": "rmsnorm",
+    "norm_position": "pre",
+    "mlp_type": "none",
+}
 # native tensor name pattern -> zoo name
 TO_ZOO = (
     (r"^backbone\.embeddings\.", "model.embed_tokens."),

@@ -351,7 +351,7 @@ def transfer_layer(
 
     def pair(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            normed = parent_layer.input_layernorm(hidden[batch])
+            normed = parent_layer.branch_input(hidden[batch], parent_layer.input_layernorm)  # what attention reads
             target = parent_layer.self_attn(hidden_states=normed, **attention_kwargs(parent_kwargs[batch]))[0]
         return normed, target
 

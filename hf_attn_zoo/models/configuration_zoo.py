@@ -23,6 +23,7 @@ from .compat_zoo import CACHE_KWARG, ZooConfigBase
 
 POSITION_EMBEDDING_TYPES = ("rope", "alibi", "sinusoidal", "learned", "none")
 NORM_TYPES = ("rmsnorm", "layernorm")
+NORM_POSITIONS = ("pre", "post")
 MLP_TYPES = ("gated", "plain", "none")
 CROSS_ATTENTIONS = ("dot", "additive")
 
@@ -77,6 +78,10 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             `"plain"` is `down(act(up(x)))` (GPT-2 with `hidden_act="gelu_new"`); `"none"` leaves the MLP out, each
             layer then `x + attn(norm(x))` alone (Mamba's blocks, whose mixer has its own expansion and gate).
         norm_type (`str`): `"rmsnorm"` (Llama) or `"layernorm"` (GPT-2, with bias).
+        norm_position (`str`): `"pre"` normalises each branch's input, `x + f(norm(x))` (GPT-2, Llama: the stream
+            grows with depth and training); `"post"` normalises after each residual addition, `norm(x + f(x))`
+            (Vaswani et al. 2017, Marian, BART: the stream stays at RMS 1, so a branch's write keeps its share of
+            it). The model's final norm stays in both (on a post-norm stream it only applies its gain).
         max_position_embeddings (`int`): longest sequence the model is built for (size of `learned` positions).
         position_embedding_type (`str`): one of `rope` (rotary, Su et al. 2021), `alibi` (linear biases, Press et al.
             2022), `sinusoidal` (Vaswani et al. 2017), `learned` (GPT-2) or `none` (NoPE: the causal mask alone).
@@ -156,6 +161,7 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
     hidden_act: str = "silu"
     mlp_type: str = "gated"
     norm_type: str = "rmsnorm"
+    norm_position: str = "pre"
     max_position_embeddings: int = 2048
     position_embedding_type: str = "rope"
     rope_parameters: dict | None = None
@@ -267,6 +273,7 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             f"{type(self).__name__} ({self.model_type})",
         )
         check_choice("norm_type", self.norm_type, NORM_TYPES)
+        check_choice("norm_position", self.norm_position, NORM_POSITIONS)
         check_choice("mlp_type", self.mlp_type, MLP_TYPES)
         if self.hidden_act not in ACT2FN:
             raise ValueError(

@@ -1,6 +1,6 @@
 """The layers every zoo model is built of: norms, the MLP, the attention protocol (`ZooAttention`, which every
-variant's attention module subclasses) and the pre-norm decoder layer (self-attention, an optional cross-attention,
-the MLP). `modeling_zoo.py` builds the model classes from them.
+variant's attention module subclasses) and the decoder layer (pre-norm, or post-norm by `norm_position`:
+self-attention, an optional cross-attention, the MLP). `modeling_zoo.py` builds the model classes from them.
 
 This module is copied next to every saved checkpoint (remote code), so it imports only torch, transformers and its
 flat siblings.
@@ -282,7 +282,8 @@ class ZooAttention(ZooModule):
 
 class ZooDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (unless `mlp_type="none"`), each branch with
-    residual dropout.
+    residual dropout; with `norm_position="post"` each norm moves after its residual addition, `norm(x + attn(x))`,
+    as in Vaswani et al. 2017 (the norms keep their names, so a checkpoint's weights load into either).
 
     With `cross_attention` (a decoder of an encoder-decoder) a third branch sits between the two, as in Vaswani et
     al. 2017: `x + encoder_attn(encoder_attn_layer_norm(x), encoder outputs)`. `ZooEncoderLayer` is the encoder's."""
@@ -313,6 +314,7 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = make_norm(config) if has_mlp else None
         self.mlp = ZooMLP(config) if has_mlp else None
         self.hidden_dropout = config.hidden_dropout
+        self.post_norm = config.norm_position == "post"
         # the projections that write into the residual stream: `_init_weights` gives them GPT-2's scaled init
         self.self_attn.o_proj.writes_residual = True
         if self.mlp is not None:
@@ -339,26 +341,35 @@ class ZooDecoderLayer(GradientCheckpointingLayer):
         # keywords, as Llama's layer passes them: hooks registered `with_kwargs` (kvpress) find `hidden_states`, and
         # the cache under this transformers release's name for it
         attn_output, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
+            hidden_states=self.branch_input(hidden_states, self.input_layernorm),
             attention_mask=attention_mask,
             position_embeddings=position_embeddings,
             **{CACHE_KWARG: cache},
             **kwargs,
         )
-        hidden_states = hidden_states + self._dropout(attn_output)
+        hidden_states = self._add(hidden_states, attn_output, self.input_layernorm)
         if self.encoder_attn is not None:
             # its weights are recorded by transformers' output capturing (`_can_record_outputs`), as BART's
             cross_output, _ = self.encoder_attn(
-                self.encoder_attn_layer_norm(hidden_states),
+                self.branch_input(hidden_states, self.encoder_attn_layer_norm),
                 encoder_hidden_states,
                 cross_attention_mask,
                 cross_cache,
                 output_attentions=bool(kwargs.get("output_attentions")),
             )
-            hidden_states = hidden_states + self._dropout(cross_output)
+            hidden_states = self._add(hidden_states, cross_output, self.encoder_attn_layer_norm)
         if self.mlp is None:
             return hidden_states
-        return hidden_states + self._dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
+        mlp_output = self.mlp(self.branch_input(hidden_states, self.post_attention_layernorm))
+        return self._add(hidden_states, mlp_output, self.post_attention_layernorm)
+
+    def branch_input(self, hidden_states: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        # pre-norm: a branch reads the normalised stream; post-norm: the stream itself, already normalised
+        return hidden_states if self.post_norm else norm(hidden_states)
+
+    def _add(self, hidden_states: torch.Tensor, branch_output: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        hidden_states = hidden_states + self._dropout(branch_output)
+        return norm(hidden_states) if self.post_norm else hidden_states
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.hidden_dropout, training=True) if self.training and self.hidden_dropout else x
