@@ -63,3 +63,23 @@ def test_scaling_command_writes_table_json_and_exponents(tmp_path):
         assert result["cache_bytes"] > 0
     table = (tmp_path / "scaling.md").read_text()
     assert "| `gqa` |" in table and "| `aft_simple` |" in table
+
+
+def test_scaling_add_keeps_the_other_rows_and_refuses_other_sizes(tmp_path):
+    """`--add` measures new variants beside the earlier rows (kept as they were, in the registry's order); rows
+    measured at other sizes are not mixed in."""
+    args = ["--lengths", "32", "64", "--decode_tokens", "4", "--hidden_size", "32", "--num_hidden_layers", "1"]
+    args += ["--vocab_size", "64", "--runs", "1", "--output_dir", str(tmp_path)]
+    assert run_experiment(["scaling", "--variants", "gqa", "aft_simple", *args]) == 0
+    earlier = json.loads((tmp_path / "scaling.json").read_text())["results"]
+    assert run_experiment(["scaling", "--variants", "mqa", "gqa", "--add", *args]) == 0
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    assert list(data["results"]) == ["mqa", "gqa", "aft_simple"] == data["setup"]["variants"]
+    assert data["results"]["aft_simple"] == earlier["aft_simple"]
+    assert data["results"]["gqa"] != earlier["gqa"]  # re-measured
+    table = (tmp_path / "scaling.md").read_text()
+    assert table.count("| `") == 3 and f"{data['results']['mqa']['measured']} (" in table
+    wider = [a if a != "32" or i != args.index("--hidden_size") + 1 else "64" for i, a in enumerate(args)]
+    with pytest.raises(SystemExit, match="--add: .* other hidden_size"):
+        run_experiment(["scaling", "--variants", "mqa", "--add", *wider])
+    assert json.loads((tmp_path / "scaling.json").read_text()) == data  # nothing written

@@ -60,6 +60,17 @@ class ScalingSetup(Results):
     )
     decode_tokens: int = field(default=1024, metadata={"help": "tokens generated before the cache is measured"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+    add: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the rows of the other variants in the existing scaling.json (measured at the same sizes "
+            "and lengths), so a new variant is measured beside a re-measured baseline without rerunning every row"
+        },
+    )
+
+    # what makes two runs' rows comparable: everything but the variants, the thread count and --add
+    def sizes(self) -> dict:
+        return {name: value for name, value in asdict(self).items() if name not in ("variants", "threads", "add")}
 
 
 def benchmark_model(name: str, setup: ScalingSetup, max_length: int):
@@ -159,6 +170,8 @@ def measure_time(setup: ScalingSetup, log=print) -> dict:
                 break  # the next length could take 4x as long: over the budget
         cache = measure_decode_cache(model, setup.decode_tokens)
         results[name] = {
+            "measured": time.strftime("%Y-%m-%d"),
+            "load_average": round(os.getloadavg()[0], 1),  # what else ran: rows of one run compare, other runs less
             "parameters": sum(p.numel() for p in model.parameters()),
             "forward": rows,
             "cache_bytes": cache,
@@ -189,16 +202,25 @@ def exponent(rows: list[dict], key: str = "seconds") -> float:
     return covariance / sum((x - mean_x) ** 2 for x in xs)
 
 
+def measured(result: dict) -> str:
+    """When a row was measured and the machine's 1-minute load then (rows measured before both were kept: —)."""
+    if "measured" not in result:
+        return "—"
+    return f"{result['measured']} ({result['load_average']})"
+
+
 def table(results: dict, setup: ScalingSetup) -> str:
     lengths = setup.lengths
     header = " | ".join(f"T={n}" for n in lengths)
     lines = [
         f"Forward time in seconds and peak memory in MiB (batch 1, {setup.num_hidden_layers} layers x "
         f"{setup.hidden_size}, base model without the LM head, {torch.get_num_threads()} threads; — : over the time "
-        f"budget), fitted exponents, and the decoding cache after {setup.decode_tokens} generated tokens.",
+        f"budget), fitted exponents, the decoding cache after {setup.decode_tokens} generated tokens, and when each "
+        "row was measured with the machine's 1-minute load average then (rows of one date are one run, one process).",
         "",
-        f"| variant | params | {header} | time exp. | memory exp. | cache (KiB) | cache bytes/token |",
-        "| --- | ---: | " + " | ".join("---:" for _ in lengths) + " | ---: | ---: | ---: | ---: |",
+        f"| variant | params | {header} | time exp. | memory exp. | cache (KiB) | cache bytes/token "
+        "| measured (load) |",
+        "| --- | ---: | " + " | ".join("---:" for _ in lengths) + " | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, result in results.items():
         by_length = {row["length"]: row for row in result["forward"]}
@@ -213,7 +235,7 @@ def table(results: dict, setup: ScalingSetup) -> str:
         cache = result["cache_bytes"]
         lines.append(
             f"| `{name}` | {result['parameters'] / 1e6:.1f}M | {' | '.join(cells)} | {exponents} "
-            f"| {cache / 2**10:,.0f} | {cache / result['cached_tokens']:,.0f} |"
+            f"| {cache / 2**10:,.0f} | {cache / result['cached_tokens']:,.0f} | {measured(result)} |"
         )
     return "\n".join(lines)
 
@@ -262,9 +284,24 @@ def _child(task: str, payload: dict, env: dict) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def earlier_results(setup: ScalingSetup) -> dict:
+    """The rows of the scaling.json `--add` adds to ({} where there is none), refused before anything is measured
+    when they were measured at other sizes or lengths."""
+    path = Path(setup.output_dir) / "scaling.json"
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    earlier_sizes = ScalingSetup(**{**asdict(setup), **earlier["setup"]}).sizes()
+    differ = [name for name, value in setup.sizes().items() if earlier_sizes[name] != value]
+    if differ:
+        raise SystemExit(f"--add: {path} was measured with other {', '.join(differ)}; rerun without --add")
+    return earlier["results"]
+
+
 def run_scaling(setup: ScalingSetup, log=print) -> dict:
     """Times in one child process, peak memory in another with glibc returning freed memory at once; then the
     table, the JSON and the plot."""
+    earlier = earlier_results(setup) if setup.add else {}
     results = _child("time", {"setup": asdict(setup)}, dict(os.environ))
     lengths = {name: [row["length"] for row in result["forward"]] for name, result in results.items()}
     memory_env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -274,6 +311,11 @@ def run_scaling(setup: ScalingSetup, log=print) -> dict:
     for name, result in results.items():
         for row, peak in zip(result["forward"], peaks[name]):
             row["peak_bytes"] = peak
+    if earlier:  # this run's rows in place of (or beside) the earlier ones, in the registry's order
+        merged = {**earlier, **results}
+        order = [name for name in VARIANTS if name in merged] + [name for name in merged if name not in VARIANTS]
+        results = {name: merged[name] for name in order}
+        setup = ScalingSetup(**{**asdict(setup), "variants": order})
     data = {"setup": asdict(setup), "results": results}
     write_results(setup.output_dir, "scaling", data, table(results, setup), scaling_figures(data))
     return results
