@@ -260,6 +260,9 @@ def main() -> None:
     parser.add_argument("--model", choices=("zoo", "marian"), default="zoo")
     parser.add_argument("--config", default="{}", help="JSON config fields over the defaults (the ablations)")
     parser.add_argument("--label", default="", help="the row's name in the output")
+    parser.add_argument(
+        "--embedding_std", type=float, default=None, help="re-initialise the (shared) token embeddings at this std"
+    )
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
@@ -284,11 +287,14 @@ def main() -> None:
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     tokenizer, pairs, validation = load_pairs(args)
     model = build(args, tokenizer)
+    if args.embedding_std is not None:  # the ablation of the token embeddings' initial scale alone
+        torch.nn.init.normal_(model.get_input_embeddings().weight, std=args.embedding_std)
     probe = collate(random.Random(7).sample(pairs, 32), tokenizer.pad_token_id)
     row = {
         "label": args.label or args.model,
         "model": args.model,
         "config": json.loads(args.config),
+        "embedding_std": args.embedding_std,
         "seed": args.seed,
         "steps": args.steps,
         "parameters": sum(p.numel() for p in model.parameters()),
