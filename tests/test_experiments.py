@@ -135,8 +135,18 @@ def test_seq2seq_writes_ratios_cache_bytes_and_the_matched_rnn(tmp_path):
         "cross_attention_cache",
         "rnn_hidden_size",
     }
-    assert len(result["ratios"]) == 3 and all(ratio > 0 for ratio in result["ratios"].values())
-    assert all(len(sample["zoo"]) == len(sample["t5"]) == 1 for sample in result["samples"].values())
+    for ratios in (result["ratios"], result["ratios_bart"]):
+        assert len(ratios) == 3 and all(ratio > 0 for ratio in ratios.values())
+    assert all(
+        len(sample["zoo"]) == len(sample["t5"]) == len(sample["bart"]) == 1 for sample in result["samples"].values()
+    )
+    # FLOPs counted per token; utilisation = tokens/s x FLOPs/token / the measured matmul peak
+    assert result["peak_flops"] > 0 and set(result["utilisation"]) == {"zoo", "t5", "bart"}
+    for name, row in result["utilisation"].items():
+        assert row["flops_per_token"] == result["flops_per_token"][name] > 2 * result["parameters"][name] / 2
+        assert row["of_peak"] == pytest.approx(
+            row["tokens_per_second"] * row["flops_per_token"] / result["peak_flops"]
+        )
     assert result["rnn"]["tokens_per_second_ratio"] > 0 and result["rnn"]["tokens_per_second_rnn"] > 0
     parameters = result["parameters"]
     assert parameters["t5"] > 0 and abs(parameters["rnn"] / parameters["zoo"] - 1) < 0.05
@@ -146,4 +156,5 @@ def test_seq2seq_writes_ratios_cache_bytes_and_the_matched_rnn(tmp_path):
     # per layer and source token: keys and values of 4, 2 and 1 heads of 8 float32 numbers
     assert [cache[kind]["bytes_per_source_token"] for kind in ("MHA", "GQA", "MQA")] == [256, 128, 64]
     table = (tmp_path / "seq2seq.md").read_text()
-    assert "| zoo / T5 |" in table and "relative position bias" in table and "RoPE" in table
+    assert "| zoo / T5 | zoo / BART |" in table and "relative position bias" in table and "RoPE" in table
+    assert "| of matmul peak |" in table

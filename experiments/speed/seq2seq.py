@@ -9,6 +9,11 @@ seq2seq   1. Training tokens/s (forward, backward, AdamW step on random pairs; s
           and vocabulary, tied embeddings, no dropout, the same attention backend. What still differs: T5's learned
           relative position bias (added to every layer's self-attention scores) against the zoo's RoPE (rotating
           queries and keys), and T5's rescaling of the tied head's input by d_model^-0.5.
+          `BartForConditionalGeneration` of the same sizes is the second control (post-norm LayerNorm, learned
+          absolute positions, biases, a plain GELU MLP 1.5 times as wide so its two matrices hold the gated MLP's
+          three). Each model's training FLOPs per token are counted by torch's `FlopCounterMode` over one step
+          (forward and backward), and its utilisation is the FLOP/s it reaches against the machine's fp32 matmul
+          peak, measured in the same process (the fastest square matmul of `--peak_size`).
           2. Cross-attention cache bytes per source token for MHA, GQA and MQA dot-product cross-attention and for
           additive (Bahdanau) cross-attention, measured on the `EncoderDecoderCache.cross_attention_cache` a
           `generate()` returns, beside the formula.
@@ -27,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import T5Config, T5ForConditionalGeneration
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
 from experiments.common import Benchmark, Results, alternate, compare, fastest, main, paired_ratio, write_results
 from experiments.speed.scaling import cache_nbytes
@@ -59,6 +65,7 @@ class Seq2SeqSpeedSetup(Results):
     repeats: int = field(default=11, metadata={"help": "alternating samples per model and metric"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "attention backend of the zoo model and T5"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+    peak_size: int = field(default=1024, metadata={"help": "side of the square fp32 matmul that measures the peak"})
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +119,36 @@ def build_t5(setup: Seq2SeqSpeedSetup) -> T5ForConditionalGeneration:
             dropout_rate=0.0,  # the zoo model trains without dropout here too
             pad_token_id=0,
             eos_token_id=None,
+            decoder_start_token_id=0,
+            attn_implementation=setup.attn_implementation,
+        )
+    )
+
+
+def build_bart(setup: Seq2SeqSpeedSetup) -> BartForConditionalGeneration:
+    """BART of the zoo MHA encoder-decoder's sizes: its plain GELU MLP 1.5 times the gated width (two matrices of
+    d x 1.5f hold as many weights as the gated MLP's three of d x f), tied embeddings, no dropout."""
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=setup.vocab_size,
+            d_model=setup.hidden_size,
+            encoder_layers=setup.encoder_layers,
+            decoder_layers=setup.decoder_layers,
+            encoder_attention_heads=setup.num_attention_heads,
+            decoder_attention_heads=setup.num_attention_heads,
+            encoder_ffn_dim=3 * setup.intermediate_size // 2,
+            decoder_ffn_dim=3 * setup.intermediate_size // 2,
+            max_position_embeddings=max(setup.source_len, setup.target_len, setup.new_tokens + 1),
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+            forced_bos_token_id=None,
+            forced_eos_token_id=None,
             decoder_start_token_id=0,
             attn_implementation=setup.attn_implementation,
         )
@@ -174,6 +211,26 @@ def training_tokens_per_second(model: torch.nn.Module, setup: Seq2SeqSpeedSetup)
     return setup.train_batch_size * (setup.source_len + setup.target_len) / fastest(step, setup.train_steps)
 
 
+def training_flops_per_token(model: torch.nn.Module, setup: Seq2SeqSpeedSetup) -> float:
+    """FLOPs of one training step's forward and backward (the optimizer's elementwise work left out, as MFU does),
+    counted by torch's `FlopCounterMode` (matmuls and attention), per source + target token."""
+    model.train()
+    source, target = random_pairs(setup, setup.train_batch_size, seed=0)
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=source, labels=target).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / (setup.train_batch_size * (setup.source_len + setup.target_len))
+
+
+def matmul_peak(setup: Seq2SeqSpeedSetup, runs: int = 10) -> float:
+    """FLOP/s of the fastest fp32 `n x n @ n x n` matmul (2n^3 FLOPs) at this process' thread count: the machine's
+    practical peak, the denominator of the utilisation."""
+    n = setup.peak_size
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # first call: allocations
+    return 2 * n**3 / fastest(lambda: a @ b, runs)
+
+
 def generate_kwargs(new_tokens: int) -> dict:
     return dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1, pad_token_id=0)
 
@@ -232,16 +289,35 @@ class Seq2SeqSpeedReport:
     setup: Seq2SeqSpeedSetup
     parameters: dict[str, int] = field(default_factory=dict)
     rnn_hidden_size: int = 0
-    # metric -> {"zoo": [tokens/s per repeat], "t5": [...]}
+    # metric -> {"zoo": [tokens/s per repeat], "t5": [...], "bart": [...]}
     samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # model -> counted training FLOPs per token; the fp32 matmul peak (FLOP/s) measured beside them
+    flops_per_token: dict[str, float] = field(default_factory=dict)
+    peak_flops: float = 0.0
     # {"rnn": [training tokens/s per repeat], "transformer": [...]}
     rnn_samples: dict[str, list[float]] = field(default_factory=dict)
     cross_attention_cache: list[dict] = field(default_factory=list)
     threads: int = field(default_factory=torch.get_num_threads)
     machine: str = field(default_factory=lambda: f"{platform.machine()}, torch {torch.__version__}")
 
-    def ratios(self) -> dict[str, float]:
-        return {metric: paired_ratio(samples["zoo"], samples["t5"]) for metric, samples in self.samples.items()}
+    def ratios(self, baseline: str = "t5") -> dict[str, float]:
+        return {metric: paired_ratio(samples["zoo"], samples[baseline]) for metric, samples in self.samples.items()}
+
+    def utilisation(self) -> dict[str, dict[str, float]]:
+        """Per model: training tokens/s (median), counted FLOPs per token, FLOP/s reached and its share of the
+        matmul peak."""
+        training = next(iter(self.samples.values()))  # the first metric is training
+        rows = {}
+        for name, flops in self.flops_per_token.items():
+            tokens_per_second = statistics.median(training[name])
+            achieved = tokens_per_second * flops
+            rows[name] = {
+                "tokens_per_second": tokens_per_second,
+                "flops_per_token": flops,
+                "flops_per_second": achieved,
+                "of_peak": achieved / self.peak_flops,
+            }
+        return rows
 
     def rnn(self) -> dict[str, float]:
         return compare(self.rnn_samples, "tokens_per_second")
@@ -258,14 +334,30 @@ class Seq2SeqSpeedReport:
             "pairs. Training counts source + target tokens; generate() is greedy, exactly "
             f"{s.new_tokens} new tokens per row from a {s.source_len}-token source, the encoder pass included.",
             "",
-            "| metric | T5 tokens/s | zoo tokens/s | zoo / T5 |",
-            "| --- | ---: | ---: | ---: |",
+            f"`BartForConditionalGeneration` ({p['bart'] / 1e6:.2f}M parameters: post-norm LayerNorm, learned "
+            f"positions, biases, GELU MLP {3 * s.intermediate_size // 2}) is the second control.",
+            "",
+            "| metric | T5 tokens/s | BART tokens/s | zoo tokens/s | zoo / T5 | zoo / BART |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
         ]
-        ratios = self.ratios()
+        ratios, bart = self.ratios(), self.ratios("bart")
         for metric, samples in self.samples.items():
+            medians = " | ".join(f"{statistics.median(samples[name]):,.0f}" for name in ("t5", "bart", "zoo"))
+            lines.append(f"| {metric} | {medians} | {ratios[metric]:.3f} | {bart[metric]:.3f} |")
+        lines += [
+            "",
+            "Training FLOPs utilisation: FLOPs per token counted by torch's `FlopCounterMode` over one step's "
+            f"forward and backward, times the median training tokens/s, against the fastest fp32 {s.peak_size}x"
+            f"{s.peak_size} matmul in the same process ({self.peak_flops / 1e9:,.1f} GFLOP/s).",
+            "",
+            "| model | parameters | FLOPs / token | tokens/s | GFLOP/s | of matmul peak |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        names = {"zoo": "zoo MHA", "t5": "T5", "bart": "BART"}
+        for name, row in self.utilisation().items():
             lines.append(
-                f"| {metric} | {statistics.median(samples['t5']):,.0f} | {statistics.median(samples['zoo']):,.0f} "
-                f"| {ratios[metric]:.3f} |"
+                f"| {names[name]} | {p[name]:,} | {row['flops_per_token'] / 1e6:,.1f}M | "
+                f"{row['tokens_per_second']:,.0f} | {row['flops_per_second'] / 1e9:,.1f} | {row['of_peak']:.1%} |"
             )
         lines += [
             "",
@@ -301,15 +393,24 @@ class Seq2SeqSpeedReport:
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "ratios": self.ratios(), "rnn": self.rnn()}
+        return {
+            **asdict(self),
+            "ratios": self.ratios(),
+            "ratios_bart": self.ratios("bart"),
+            "utilisation": self.utilisation(),
+            "rnn": self.rnn(),
+        }
 
 
 def measure(setup: Seq2SeqSpeedSetup, log: Callable[[str], None] = print) -> Seq2SeqSpeedReport:
     if setup.threads:
         torch.set_num_threads(setup.threads)
-    zoo, t5 = build_zoo(setup), build_t5(setup)
+    zoo, t5, bart = build_zoo(setup), build_t5(setup), build_bart(setup)
     report = Seq2SeqSpeedReport(setup=copy.deepcopy(setup))
-    report.parameters = {"zoo": parameters(zoo), "t5": parameters(t5)}
+    models = {"zoo": zoo, "t5": t5, "bart": bart}
+    report.parameters = {name: parameters(model) for name, model in models.items()}
+    report.flops_per_token = {name: training_flops_per_token(model, setup) for name, model in models.items()}
+    report.peak_flops = matmul_peak(setup)
     training = f"training (batch {setup.train_batch_size}, source {setup.source_len} + target {setup.target_len})"
     metrics: dict[str, Callable] = {training: lambda m: training_tokens_per_second(m, setup)}
     for batch_size in setup.decode_batch_sizes:
@@ -318,11 +419,13 @@ def measure(setup: Seq2SeqSpeedSetup, log: Callable[[str], None] = print) -> Seq
         )
 
     def progress(repeat: int, samples: dict) -> None:
-        ratios = ", ".join(f"{s['zoo'][-1] / s['t5'][-1]:.3f}" for s in samples.values())
-        log(f"repeat {repeat + 1}/{setup.repeats}: zoo / T5 {ratios}")
+        ratios = ", ".join(
+            f"{s['zoo'][-1] / s['t5'][-1]:.3f} / {s['zoo'][-1] / s['bart'][-1]:.3f}" for s in samples.values()
+        )
+        log(f"repeat {repeat + 1}/{setup.repeats}: zoo / T5, zoo / BART {ratios}")
 
-    report.samples = alternate({"zoo": zoo, "t5": t5}, metrics, setup.repeats, after_repeat=progress)
-    del t5
+    report.samples = alternate(models, metrics, setup.repeats, after_repeat=progress)
+    del t5, bart, models
 
     report.cross_attention_cache = cross_attention_cache(setup)
     sizes = (f"{row['kind']} {row['bytes_per_source_token']:,.0f} B" for row in report.cross_attention_cache)
