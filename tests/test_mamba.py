@@ -10,7 +10,7 @@ from hf_attn_zoo.convert.mamba import from_mamba, to_mamba
 from hf_attn_zoo.errors import UserError
 from hf_attn_zoo.export import export_checkpoint, import_checkpoint
 from hf_attn_zoo.models import VARIANTS
-from hf_attn_zoo.models.mamba import selective_scan
+from hf_attn_zoo.models.mamba import closed_form_scan, selective_scan
 
 from conftest import (
     ATOL,
@@ -61,6 +61,23 @@ def test_chunked_scan_equals_the_recurrence(chunk):
     expected, expected_state = recurrence(x, delta, A, B, C)
     torch.testing.assert_close(y, expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(state, expected_state, atol=ATOL, rtol=0)
+
+
+def test_the_closed_form_for_export_equals_the_recurrence():
+    """The loop-free form that exported graphs run: from zeros, from a carried state, and over packed documents."""
+    x, delta, A, B, C = scan_inputs()
+    expected, expected_state = recurrence(x, delta, A, B, C)
+    zeros = x.new_zeros(x.shape[0], x.shape[1], A.shape[-1])
+    y, state = closed_form_scan(x, delta, A, B, C, zeros)
+    torch.testing.assert_close(y, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(state, expected_state, atol=ATOL, rtol=0)
+    _, carried = closed_form_scan(x[..., :10], delta[..., :10], A, B[:, :10], C[:, :10], zeros)
+    rest, final = closed_form_scan(x[..., 10:], delta[..., 10:], A, B[:, 10:], C[:, 10:], carried)
+    torch.testing.assert_close(rest, expected[..., 10:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(final, expected_state, atol=ATOL, rtol=0)
+    documents = torch.tensor([[0] * 5 + [1] * 9 + [2] * 9, [0] * 12 + [1] * 11])
+    y, _ = closed_form_scan(x, delta, A, B, C, zeros, documents)
+    torch.testing.assert_close(y, recurrence(x, delta, A, B, C, documents=documents)[0], atol=ATOL, rtol=0)
 
 
 def test_chunked_scan_continues_from_a_state():

@@ -17,13 +17,12 @@ tensor (`hf_attn_zoo.convert.mamba`). Parameter names inside the mixer are trans
 `conv1d`, `x_proj`, `dt_proj`, `A_log`, `D`, `out_proj`); `intermediate_size` is the mixer's width D, as in
 `MambaConfig` (expand · hidden_size, 2 · hidden_size unless set).
 
-Training, scoring and a prompt: `selective_scan` walks over the sequence in chunks of `scan_chunk_size` tokens;
-inside a chunk the states are the exact sums h_t = Σ_{s≤t} exp(Σ_{s<r≤t} Δ_r A) Δ_s B_s x_s (the decays from one
-cumulative sum, every exponent <= 0, so nothing overflows) plus the carried state decayed to t; the chunk's last
-state carries on. O(T·D·N·c) time, O(D·N·c²) memory per row beyond the activations, in torch on any device. The
-default chunk is 4 tokens: a chunk does c times the work of a sequential step to save Python steps, and on CPUs
-(the demo's 4 x 192 model, 16 rows of 128 tokens, one thread) chunks of 16 made a forward 4 to 5 times slower than
-chunks of 4.
+Training, scoring and a prompt: `selective_scan` computes the decays exp(Δ_t A) and inputs Δ_t B_t x_t of
+`scan_chunk_size` tokens at once, then steps the recurrence through them one token at a time, one fused
+multiply-add over the (D, N) state per token: O(T·D·N) time, as the paper's scan, in torch on any device. An
+earlier form summed each chunk in closed form (every pair of tokens in it, O(T·D·N·c)); on CPUs it was 4 times
+slower at chunks of 4 and its time grew with the chunk, so it now serves only graphs being exported
+(`closed_form_scan`, the whole row as one chunk), where a loop over a dynamic length cannot be traced.
 
 Cache: decoding keeps, per layer, the last `conv_kernel - 1` inputs of the convolution (D·(k - 1)) and the state h
 (D·N), whatever the length (`ZooStateLayer`, keys "conv" and "ssm"); beam search reorders it, and it cannot be
@@ -76,7 +75,8 @@ class ZooMambaConfig(ZooConfig):
         use_bias (`bool`): bias on `in_proj` and `out_proj`; use_conv_bias (`bool`): bias on the convolution.
         time_step_min, time_step_max, time_step_floor, time_step_scale (`float`): the initial Δ, log-uniform in
             [min, max] and at least floor, and the scale of `dt_proj`'s initial weights (the paper's init).
-        scan_chunk_size (`int`): tokens per chunk of the training scan (memory O(D·N·c²) per row).
+        scan_chunk_size (`int`): tokens whose decays and inputs the scan computes at once (memory O(D·N·c) per
+            row); the recurrence steps through them one at a time, so the result does not depend on it.
     """
 
     model_type = "zoo_mamba"
@@ -110,7 +110,7 @@ class ZooMambaConfig(ZooConfig):
     time_step_max: float = 0.1
     time_step_floor: float = 1e-4
     time_step_scale: float = 1.0
-    scan_chunk_size: int = 4
+    scan_chunk_size: int = 64
 
     def __post_init__(self, **kwargs):
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
@@ -170,45 +170,64 @@ def selective_scan(
     chunk: int,
     documents: torch.LongTensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t, y_t = C_t h_t, chunk by chunk (module docstring). `x`, `delta`
-    `(Bt, D, T)`, `A` `(D, N)` (negative), `B`, `C` `(Bt, T, N)`, `state` `(Bt, D, N)` before the first token (None:
-    zeros). Returns y `(Bt, D, T)` (without the D skip) and the state after the last token. With `documents` `(Bt, T)`
-    (a packed row, no state), the state restarts at each document's first token."""
+    """h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t, y_t = C_t h_t (module docstring). `x`, `delta` `(Bt, D, T)`, `A`
+    `(D, N)` (negative), `B`, `C` `(Bt, T, N)`, `state` `(Bt, D, N)` before the first token (None: zeros). Returns y
+    `(Bt, D, T)` (without the D skip) and the state after the last token. With `documents` `(Bt, T)` (a packed row,
+    no state), the state restarts at each document's first token.
+
+    The decays and inputs of `chunk` tokens are computed at once, then the recurrence steps through them one token
+    at a time (one fused multiply-add over `(Bt, D, N)` per token). While exporting, where a graph cannot loop over a
+    dynamic length, `closed_form_scan` computes every token at once instead."""
     batch, width, length = x.shape
     if state is None:
         state = x.new_zeros(batch, width, A.shape[-1])
-    # a graph cannot loop over a dynamic length: while exporting, one chunk of every token
-    exporting = torch.compiler.is_exporting()
-    chunk = length if exporting else chunk
-    starts = (0,) if exporting else range(0, length, chunk)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    state_document = None if documents is None else documents[:, 0]  # (Bt,): the document the state belongs to
+    if torch.compiler.is_exporting():
+        return closed_form_scan(x, delta, A, B, C, state, documents)
+    if documents is not None:  # a document's first token decays the state before it to nothing
+        first = torch.ones_like(documents, dtype=torch.bool)
+        first[:, 1:] = documents[:, 1:] != documents[:, :-1]  # (Bt, T)
     outputs = []
-    for start in starts:
+    for start in range(0, length, chunk):
         end = min(length, start + chunk)
-        size = end - start
         d = delta[:, :, start:end, None]  # (Bt, D, c, 1)
-        log_decay = (d * A[None, :, None, :]).cumsum(2)  # (Bt, D, c, N): Σ_{r<=t} Δ_r A within the chunk
-        inputs = d * B[:, None, start:end] * x[:, :, start:end, None]  # (Bt, D, c, N): Δ_s B_s x_s
-        # decay from token s to token t (s <= t): exp(L_t - L_s), every exponent <= 0
-        within = causal[:size, :size]  # (c, c)
+        decays = torch.exp(d * A[None, :, None, :])  # (Bt, D, c, N): exp(Δ_t A), every exponent <= 0
         if documents is not None:
-            chunk_documents = documents[:, start:end]  # (Bt, c)
-            within = within & (chunk_documents[:, :, None] == chunk_documents[:, None, :])  # (Bt, c, c)
-            within = within[:, None, :, :, None]  # (Bt, 1, c, c, 1)
-        else:
-            within = within[None, None, :, :, None]  # (1, 1, c, c, 1)
-        gaps = log_decay[:, :, :, None] - log_decay[:, :, None]  # (Bt, D, c, c, N): L_t - L_s
-        decays = torch.exp(gaps.masked_fill(~within, float("-inf")))
-        states = (decays * inputs[:, :, None]).sum(3)  # (Bt, D, c, N): Σ_s decay(t, s) Δ_s B_s x_s
-        carried = torch.exp(log_decay) * state[:, :, None]  # (Bt, D, c, N): the state before the chunk, decayed
-        if documents is not None:
-            carried = carried * (chunk_documents == state_document[:, None])[:, None, :, None]  # (Bt, 1, c, 1)
-            state_document = chunk_documents[:, -1]
-        states = states + carried
-        outputs.append((states * C[:, None, start:end]).sum(-1))  # (Bt, D, c): C_t h_t
-        state = states[:, :, -1]  # (Bt, D, N)
+            decays = decays.masked_fill(first[:, None, start:end, None], 0.0)
+        inputs = d * B[:, None, start:end] * x[:, :, start:end, None]  # (Bt, D, c, N): Δ_t B_t x_t
+        states = []
+        for t in range(end - start):
+            state = torch.addcmul(inputs[:, :, t], decays[:, :, t], state)  # (Bt, D, N)
+            states.append(state)
+        outputs.append((torch.stack(states, dim=2) * C[:, None, start:end]).sum(-1))  # (Bt, D, c): C_t h_t
     return torch.cat(outputs, dim=-1), state
+
+
+def closed_form_scan(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    documents: torch.LongTensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selective_scan` without a loop, for graphs being exported: h_t = Σ_{s≤t} exp(Σ_{s<r≤t} Δ_r A) Δ_s B_s x_s
+    plus the state before the first token decayed to t (the decays from one cumulative sum, every exponent <= 0, so
+    nothing overflows). O(T²·D·N) time and memory: for export, not for training."""
+    length = x.shape[-1]
+    log_decay = (delta[..., None] * A[None, :, None, :]).cumsum(2)  # (Bt, D, T, N): Σ_{r<=t} Δ_r A
+    inputs = delta[..., None] * B[:, None] * x[..., None]  # (Bt, D, T, N): Δ_s B_s x_s
+    within = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # (T, T): s <= t
+    carried = torch.exp(log_decay) * state[:, :, None]  # (Bt, D, T, N): the state before the row, decayed
+    if documents is not None:
+        within = within & (documents[:, :, None] == documents[:, None, :])  # (Bt, T, T)
+        carried = carried * (documents == documents[:, :1])[:, None, :, None]  # (Bt, 1, T, 1)
+        within = within[:, None, :, :, None]  # (Bt, 1, T, T, 1)
+    else:
+        within = within[None, None, :, :, None]  # (1, 1, T, T, 1)
+    gaps = log_decay[:, :, :, None] - log_decay[:, :, None]  # (Bt, D, T, T, N): L_t - L_s
+    states = (torch.exp(gaps.masked_fill(~within, float("-inf"))) * inputs[:, :, None]).sum(3) + carried
+    return (states * C[:, None]).sum(-1), states[:, :, -1]  # (Bt, D, T), (Bt, D, N)
 
 
 class ZooMambaMixer(ZooAttention):
@@ -289,11 +308,9 @@ class ZooMambaMixer(ZooAttention):
     @classmethod
     def mixing_flops_per_token(cls, config: ZooMambaConfig, seq_len: int) -> float:
         # per channel: the convolution (2·k), the state update and read (Δ_t A, Δ_t B_t x_t, the decay times the
-        # state, the sum and C_t h_t: 2·N each of multiply-adds, counted as 3·2·N) and the skip and gate (4); the
-        # chunk's pairwise decays (2·N·c) as the scan's overhead
+        # state, the sum and C_t h_t: 2·N each of multiply-adds, counted as 3·2·N) and the skip and gate (4)
         width, states = config.intermediate_size, config.state_size
-        chunk = min(config.scan_chunk_size, seq_len)
-        return width * (2 * config.conv_kernel + 6 * states + 4 + 2 * states * chunk)
+        return width * (2 * config.conv_kernel + 6 * states + 4)
 
     @classmethod
     def attention_weights_absence(cls, config: ZooMambaConfig) -> str:

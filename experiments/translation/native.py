@@ -1,0 +1,81 @@
+"""transformers' own `MarianMTModel` as the native control of a zoo translator recipe: a fresh Marian of the recipe's
+sizes with the recipe's tokenizer, written as a checkpoint that `hf-attn-zoo train` starts from (`model.init_from`),
+so that the control trains by the same recipe (data, batches, schedule, label smoothing, averaging) on the same pairs,
+and `hf-attn-zoo translate-eval` scores it as it scores the zoo's model.
+
+The sizes come from the recipe's zoo config: `d_model` its width, its encoder and decoder layers and heads, dropout
+and attention dropout its `hidden_dropout` and `attention_dropout`, and an MLP of 1.5 times the zoo's gated width, so
+that Marian's two matrices hold as many weights as the gated MLP's three. The rest is Marian's own: post-norm
+LayerNorm, biases, token embeddings scaled by sqrt(d_model), sinusoidal positions, a SiLU ("swish") MLP, one
+embedding shared by encoder, decoder and output. The tokenizer is the zoo run's (`<run>/tokenizer`), so both models
+read the same token ids.
+
+    python experiments/translation/native.py configs/train/bible_en_es_transformer.yaml \
+        runs/bible_en_es_transformer/tokenizer runs/bible_en_es_marian_init
+    hf-attn-zoo train configs/train/bible_en_es_marian.yaml
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, MarianConfig, MarianMTModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hf_attn_zoo.data import tokenizer_fields  # noqa: E402
+from hf_attn_zoo.train.recipe import load_recipe  # noqa: E402
+
+
+def marian_like(recipe: str, tokenizer, seed: int = 0) -> MarianMTModel:
+    """A fresh `MarianMTModel` of the zoo config `recipe` builds, with `tokenizer`'s vocabulary and special tokens."""
+    model_args, data_args, _ = load_recipe(recipe)
+    fields = tokenizer_fields(tokenizer)
+    zoo = model_args.seq2seq_config(**fields, decoder_start_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(seed)
+    config = MarianConfig(
+        vocab_size=fields["vocab_size"],
+        d_model=zoo.hidden_size,
+        encoder_layers=zoo.encoder_layers,
+        decoder_layers=zoo.decoder_layers,
+        encoder_attention_heads=zoo.num_attention_heads,
+        decoder_attention_heads=zoo.num_attention_heads,
+        encoder_ffn_dim=3 * zoo.intermediate_size // 2,
+        decoder_ffn_dim=3 * zoo.intermediate_size // 2,
+        # the encoder reads max_source_length tokens, the decoder max_target_length + 1 (its start token)
+        max_position_embeddings=max(data_args.max_source_length, data_args.max_target_length + 1),
+        dropout=zoo.hidden_dropout,
+        attention_dropout=zoo.attention_dropout,
+        activation_dropout=0.0,
+        activation_function="swish",
+        scale_embedding=True,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,
+        pad_token_id=fields["pad_token_id"],
+        bos_token_id=fields["bos_token_id"],
+        eos_token_id=fields["eos_token_id"],
+        forced_eos_token_id=fields["eos_token_id"],
+        decoder_start_token_id=tokenizer.bos_token_id,  # as the zoo's translators start
+    )
+    return MarianMTModel(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="the zoo translator's recipe (its model section sizes the control)")
+    parser.add_argument("tokenizer", help="the tokenizer the zoo run trained (<output_dir>/tokenizer)")
+    parser.add_argument("output", help="folder to write the fresh Marian checkpoint and the tokenizer to")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    model = marian_like(args.recipe, tokenizer, args.seed)
+    model.save_pretrained(args.output)
+    tokenizer.save_pretrained(args.output)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"MarianMTModel, {count / 1e6:.2f}M parameters, written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
