@@ -33,6 +33,7 @@ def tiny_setup(corpus_dir, output_dir, **fields) -> cells.TranslationSetup:
         "seeds": [0],
         "rnns": ["none", "bahdanau"],
         "cross_attentions": ["mha", "mqa"],
+        "natives": ["marian"],
         "encoders": ["sliding_window"],
         "uptrain_methods": ["mean", "aligned"],
         "alphas": [0.0, 0.5],
@@ -60,15 +61,16 @@ def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
     setup = tiny_setup(corpus_dir, tmp_path)
     rows = board.run_board(setup, log=lambda _: None)
     names = [row["cell"] for row in rows]
-    assert names[:6] == [
+    assert names[:7] == [
         "rnn-none-seed0",
         "rnn-bahdanau-seed0",
         "transformer-mha-seed0",
         "transformer-mqa-seed0",
+        "native-marian-seed0",
         "encoder-sliding_window-seed0",
         "parent-mha-seed0",
     ]
-    assert len(rows) == 6 + 2 * 2 * 2  # two targets, two methods, two alphas at one seed
+    assert len(rows) == 7 + 2 * 2 * 2  # two targets, two methods, two alphas at one seed
     for row in rows:
         assert "error" not in row, row.get("error")
         assert 0 <= row["bleu"] <= 100 and row["test_perplexity"] > 1 and row["cache_bytes_per_source_token"] >= 0
@@ -82,6 +84,7 @@ def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
     # one head (decoder self- and cross-attention pooled), the RNN without attention nothing
     assert by_name["transformer-mha-seed0"]["cache_bytes_per_source_token"] == 4 * 32 * 4
     assert by_name["transformer-mqa-seed0"]["cache_bytes_per_source_token"] == 32 * 4
+    assert by_name["native-marian-seed0"]["cache_bytes_per_source_token"] == 4 * 32 * 4  # Marian's MHA, the same
     assert by_name["rnn-none-seed0"]["cache_bytes_per_source_token"] == 0
     assert by_name["rnn-bahdanau-seed0"]["cache_bytes_per_source_token"] > 0
     assert by_name["uptrain-gqa-mean-0-seed0"]["cache_bytes_per_source_token"] == 2 * 32 * 4
@@ -89,6 +92,7 @@ def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
     assert by_name["rnn-bahdanau-seed0"]["alignment"] and by_name["transformer-mha-seed0"]["alignment"]
     table = (tmp_path / "board.md").read_text()
     assert "Attention beats the same RNN without it" in table and "Mean pooling converts best" in table
+    assert "reaches at least the BLEU of transformers' own MarianMTModel" in table
     assert claims.verdict_block(rows, setup) in table
     assert (tmp_path / "tokenizer").is_dir() and (tmp_path / "parent" / "model.pt").is_file()
     pytest.importorskip("matplotlib")
@@ -110,7 +114,7 @@ def fake_row(cell: cells.Cell) -> dict:
 def test_a_rerun_runs_only_unfinished_cells_retries_failures_and_refuses_other_options(
     corpus_dir, tmp_path, monkeypatch
 ):
-    setup = tiny_setup(corpus_dir, tmp_path, uptrain_methods=[], alphas=[], seeds=[0, 1])
+    setup = tiny_setup(corpus_dir, tmp_path, uptrain_methods=[], alphas=[], seeds=[0, 1], natives=[])
     ran, failed = [], []
 
     def flaky(setup, cell, corpus):
@@ -132,7 +136,7 @@ def test_a_rerun_runs_only_unfinished_cells_retries_failures_and_refuses_other_o
     board.run_board(setup, log=lambda _: None)
     assert ran == []
     with pytest.raises(SystemExit, match="other options"):
-        board.run_board(tiny_setup(corpus_dir, tmp_path, uptrain_methods=[], alphas=[], budget=600))
+        board.run_board(tiny_setup(corpus_dir, tmp_path, uptrain_methods=[], alphas=[], natives=[], budget=600))
 
 
 def test_every_cell_of_the_committed_board_matches_the_mha_transformer_within_one_percent():
@@ -141,11 +145,11 @@ def test_every_cell_of_the_committed_board_matches_the_mha_transformer_within_on
     tokens["decoder_start_token_id"] = 0
     seen = set()
     for cell in cells.plan(setup):
-        if cell.family in ("rnn", "transformer", "encoder") and (cell.family, cell.config) not in seen:
+        if cell.family in ("rnn", "transformer", "native", "encoder") and (cell.family, cell.config) not in seen:
             seen.add((cell.family, cell.config))
             _, fields, count, target = board.cell_spec(setup, cell, tokens)
             assert abs(count / target - 1) <= 0.01, cell
-    assert len(seen) == 11
+    assert len(seen) == 12
 
 
 def synthetic(family: str, config: str, bleus: list[float], **metrics) -> list[dict]:

@@ -14,13 +14,15 @@ A *cell* is one (family, configuration, seed), each trained on `--budget` source
 - `transformer`: the zoo encoder-decoder with MHA, GQA and MQA (the decoder's self- and cross-attention pooled to
   `--gqa_key_value_heads` / one key/value head, the encoder multi-head, as the paper's T5) and with Bahdanau's
   additive cross-attention;
+- `native`: transformers' own `MarianMTModel` of the MHA Transformer's sizes (post-norm, scaled tokens, sinusoids,
+  biases; its SiLU MLP's width matched), the control the zoo's encoder-decoder is held to at equal steps;
 - `encoder`: the variants with a bidirectional form as whole encoder-decoders (the zoo builds both stacks from one
   variant: the encoder its bidirectional form, the decoder its causal form) under MHA cross-attention;
 - `parent` and `uptrain`: an MHA parent trained on `--parent_factor` budgets (one seed), converted by every
   `--uptrain_methods` to GQA and MQA in the decoder's self- and cross-attention (`seq2seq_mha_to_gqa`), then
   uptrained on `--alphas` of the parent's steps (alpha 0: the conversion alone, deterministic, one cell).
 Parameters are matched within 1% of the MHA transformer's (total, the shared embedding counted once): a
-transformer's MLP width, an RNN's state size solved for it.
+transformer's (and Marian's) MLP width, an RNN's state size solved for it.
 
 Per cell (one JSON row in `<output_dir>/board.json`, written the moment the cell ends): test BLEU and chrF (greedy
 and beam search of `--num_beams`; uptraining cells greedy), greedy BLEU by source-length bucket, the test
@@ -48,12 +50,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, MarianMTModel
 from transformers.cache_utils import EncoderDecoderCache
 
 from experiments.common import Benchmark, Board, main
 from experiments.speed.scaling import cache_nbytes
 from experiments.translation.cells import Cell, TranslationSetup, bucket_names, bucket_of, plan
+from experiments.translation.native import marian_config
 from experiments.translation.report import board_figures, write_board
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.convert.pooling import seq2seq_mha_to_gqa
@@ -207,8 +210,28 @@ def transformer_spec(setup: TranslationSetup, family: str, config: str, tokens: 
 def parameter_count(variant: str, fields: dict) -> int:
     """Parameters of a model of `fields`, counted on the meta device (nothing allocated; tied weights once)."""
     with torch.device("meta"):
-        model = SEQ2SEQ[variant].build(None, **fields)
+        model = instantiate(variant, fields)
     return sum(p.numel() for p in model.parameters())
+
+
+def instantiate(variant: str, fields: dict):
+    """A fresh model: a zoo encoder-decoder of `variant`, or (`marian`) the native control, whose fields are the
+    MHA Transformer's with Marian's MLP width (`marian_ffn`)."""
+    if variant == "marian":
+        zoo = SEQ2SEQ["mha"].config(None, **{k: v for k, v in fields.items() if k != "marian_ffn"})
+        return MarianMTModel(marian_config(zoo, fields["marian_ffn"], fields["max_position_embeddings"]))
+    return SEQ2SEQ[variant].build(None, **fields)
+
+
+def match_marian(fields: dict, target: int) -> tuple[dict, int]:
+    """The MHA Transformer's `fields` with the Marian MLP width (a multiple of 8) whose parameter count is nearest
+    `target` (linear in it), starting from 1.5 times the zoo's gated width (as many MLP weights)."""
+    start = 3 * SEQ2SEQ["mha"].config(None, **fields).intermediate_size // 2
+    at_start = parameter_count("marian", {**fields, "marian_ffn": start})
+    per_unit = (parameter_count("marian", {**fields, "marian_ffn": start + 64}) - at_start) / 64
+    width = max(MLP_MULTIPLE, round((start + (target - at_start) / per_unit) / MLP_MULTIPLE) * MLP_MULTIPLE)
+    matched = {**fields, "marian_ffn": width}
+    return matched, parameter_count("marian", matched)
 
 
 def rnn_fields(setup: TranslationSetup, attention: str, tokens: dict, state: int) -> dict:
@@ -255,6 +278,8 @@ def cell_spec(setup: TranslationSetup, cell: Cell, tokens: dict) -> tuple[str, d
     target = parameter_count(reference_variant, reference)
     if cell.family == "rnn":
         variant, (fields, count) = "rnn", match_rnn(setup, cell.config, tokens, target)
+    elif cell.family == "native":
+        variant, (fields, count) = cell.config, match_marian(reference, target)
     elif cell.family in ("parent", "uptrain"):
         variant, fields, count = reference_variant, reference, target  # conversions keep the parent's MLP
     else:
@@ -270,7 +295,7 @@ def build(variant: str, fields: dict, seed: int, tokenizer, max_length: int):
     `set_generation_config`: the tokenizer's special tokens, the start token, a translation of at most `max_length`
     tokens behind it)."""
     torch.manual_seed(seed)
-    model = SEQ2SEQ[variant].build(None, **fields)
+    model = instantiate(variant, fields)
     set_generation_config(model, tokenizer, max_length=max_length + 1)
     return model
 
@@ -488,6 +513,8 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
     }
     if cell.family == "rnn":
         row["rnn_hidden_size"] = fields["rnn_hidden_size"]
+    elif cell.family == "native":
+        row["intermediate_size"] = fields["marian_ffn"]
     else:
         row["intermediate_size"] = fields.get("intermediate_size")
     if cell.family == "uptrain":
@@ -540,7 +567,8 @@ def run_board(setup: TranslationSetup, log: Callable[[str], None] = print) -> li
     )
     tokens = special_tokens(corpus.tokenizer)
     log(f"{'cell':28s} {'parameters':>12s} (against the MHA Transformer's)")
-    for cell in {(c.family, c.config): c for c in cells if c.family in ("rnn", "transformer", "encoder")}.values():
+    matched = ("rnn", "transformer", "native", "encoder")
+    for cell in {(c.family, c.config): c for c in cells if c.family in matched}.values():
         try:  # an unmatchable board is refused at once
             _, _, count, target = cell_spec(setup, cell, tokens)
         except ValueError as error:

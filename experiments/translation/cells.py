@@ -31,6 +31,10 @@ class TranslationSetup(Results):
         default_factory=lambda: ["mha", "gqa", "mqa", "additive"],
         metadata={"help": "Transformer cells: mha, gqa, mqa (decoder self + cross pooled), additive cross-attention"},
     )
+    natives: list[str] = field(
+        default_factory=lambda: ["marian"],
+        metadata={"help": "transformers' own encoder-decoders trained as controls of the MHA Transformer: marian"},
+    )
     encoders: list[str] = field(
         default_factory=lambda: ["sliding_window", "linformer", "aft_simple", "topk"],
         metadata={"help": "variants trained as whole encoder-decoders under MHA cross-attention"},
@@ -105,7 +109,7 @@ class TranslationSetup(Results):
 
 @dataclass(frozen=True)
 class Cell:
-    family: str  # rnn, transformer, encoder, parent, uptrain
+    family: str  # rnn, transformer, native, encoder, parent, uptrain
     config: str  # bahdanau, mha, sliding_window, gqa-mean-0.05, ...
     seed: int
 
@@ -124,8 +128,11 @@ def plan(setup: TranslationSetup) -> list[Cell]:
     unknown = [m for m in setup.uptrain_methods if m not in ("mean", "first", "random", *CALIBRATION_METHODS)]
     if unknown:
         raise SystemExit(f"--uptrain_methods {' '.join(unknown)}: unknown conversion method(s)")
+    if set(setup.natives) - {"marian"}:
+        raise SystemExit(f"--natives {' '.join(setup.natives)}: the native control is marian")
     cells = [Cell("rnn", attention, seed) for attention in setup.rnns for seed in setup.seeds]
     cells += [Cell("transformer", kind, seed) for kind in setup.cross_attentions for seed in setup.seeds]
+    cells += [Cell("native", name, seed) for name in setup.natives for seed in setup.seeds]
     cells += [Cell("encoder", variant, seed) for variant in setup.encoders for seed in setup.seeds]
     if setup.uptrain_methods and setup.alphas:
         cells.append(Cell("parent", "mha", setup.seeds[0]))

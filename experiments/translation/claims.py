@@ -16,6 +16,7 @@ LABELS = {
     ("transformer", "gqa"): "Transformer GQA",
     ("transformer", "mqa"): "Transformer MQA",
     ("transformer", "additive"): "Transformer, additive cross",
+    ("native", "marian"): "MarianMTModel (transformers')",
     ("parent", "mha"): "MHA parent",
 }
 
@@ -281,6 +282,11 @@ def claims(rows: list[dict], setup: TranslationSetup) -> list[tuple[str, str]]:
         (
             "The Transformer beats the RNN with attention at the same parameters (Vaswani et al. 2017)",
             missing(grouped, mha, bahdanau) or higher(grouped, mha, bahdanau),
+        ),
+        (
+            "The zoo's MHA encoder-decoder reaches at least the BLEU of transformers' own MarianMTModel of the same "
+            "parameters at equal steps (the native control)",
+            missing(grouped, mha, ("native", "marian")) or matches(grouped, mha, ("native", "marian")),
         ),
         (
             "The Transformer trains faster per token than the RNN (parallel over the sequence), training tokens/s",
