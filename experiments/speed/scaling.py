@@ -68,9 +68,11 @@ class ScalingSetup(Results):
         },
     )
 
-    # what makes two runs' rows comparable: everything but the variants, the thread count and --add
+    # what makes two runs' rows comparable: everything but the variants, the thread count, --add and the time
+    # budget (which decides where a variant stops, not what a row measures)
     def sizes(self) -> dict:
-        return {name: value for name, value in asdict(self).items() if name not in ("variants", "threads", "add")}
+        ignored = ("variants", "threads", "add", "time_budget_s")
+        return {name: value for name, value in asdict(self).items() if name not in ignored}
 
 
 def benchmark_model(name: str, setup: ScalingSetup, max_length: int):
