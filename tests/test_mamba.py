@@ -211,6 +211,7 @@ def test_import_and_export_commands_round_trip(tmp_path):
         ({"hidden_act": "gelu"}, "hidden_act='gelu': llama.cpp's mamba applies SiLU"),
         ({"scale_embedding": True}, "scale_embedding=True"),
         ({"norm_position": "post"}, "norm_position='post' has no equivalent in llama.cpp's mamba"),
+        ({"intermediate_size": 96}, "intermediate_size=96: llama.cpp's mamba loads only the paper's expansion of 2"),
     ],
 )
 def test_gguf_export_refuses_what_llama_cpps_mamba_cannot_compute(fields, named, tmp_path):

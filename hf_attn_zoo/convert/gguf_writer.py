@@ -29,13 +29,14 @@ BPE is GPT-2's scheme (`tokenizer.ggml.model = "gpt2"`, pre-tokenizer `gpt-2`, t
 tokens, merges, token types (special tokens are control tokens) and BOS / EOS / padding ids. A tokenizer llama.cpp
 would split differently (another model, a normaliser, no GPT-2 regular expression with merges) is refused.
 
-What else is refused, naming the field: a position type other than RoPE, a norm other than RMSNorm, an MLP other
-than the gated one, an activation other than SiLU, RoPE scaling; for MLA, biases (`deepseek2` has none), a latent
-without its norm and per-layer RoPE frequencies (a converted MLA), and no RoPE-free query part; for Mamba, what
-transformers' `MambaForCausalLM` cannot hold either (`mamba_refusal`: positions, post-norm, an MLP, a scaled
-embedding) and `use_bias=True` and an activation other than SiLU; and every variant llama.cpp has no architecture
-for (reasons in `gguf_refusal`). Mamba's `time_step_*` fields and `scan_chunk_size` are not refused: they set the
-initial Δ and how the zoo's scan is chunked, not the function a trained model computes.
+What else is refused, naming the field: a position type other than RoPE, a norm other than RMSNorm, an MLP other than
+the gated one, an activation other than SiLU, RoPE scaling; for MLA, biases (`deepseek2` has none), a latent without
+its norm and per-layer RoPE frequencies (a converted MLA), and no RoPE-free query part; for Mamba, what transformers'
+`MambaForCausalLM` cannot hold either (`mamba_refusal`: positions, post-norm, an MLP, a scaled embedding),
+`use_bias=True`, an activation other than SiLU and a mixer width other than 2 · `hidden_size` (llama.cpp loads no other
+expansion); and every variant llama.cpp has no architecture for (reasons in `gguf_refusal`). Mamba's `time_step_*`
+fields and `scan_chunk_size` are not refused: they set the initial Δ and how the zoo's scan is chunked, not the
+function a trained model computes.
 """
 
 import json
@@ -91,6 +92,11 @@ def mamba_gguf_refusal(config) -> str | None:
         return "use_bias=True: llama.cpp's mamba has no bias on in_proj and out_proj (ssm_in, ssm_out)"
     if config.hidden_act != "silu":
         return f"hidden_act={config.hidden_act!r}: llama.cpp's mamba applies SiLU after the convolution"
+    if config.intermediate_size != 2 * config.hidden_size:
+        return (
+            f"intermediate_size={config.intermediate_size}: llama.cpp's mamba loads only the paper's expansion of 2 "
+            f"(intermediate_size = 2 * hidden_size = {2 * config.hidden_size})"
+        )
     return None
 
 
