@@ -7,12 +7,13 @@ tokenizer tokenizes as the checkpoint's; every variant llama.cpp has no architec
 reason, the output folder untouched.
 
 Slow (llama.cpp through llama-cpp-python, built once into a cached environment: experiments/speed/llama_cpp.py): for
-every variant llama.cpp has an architecture for (the MHA family as `llama`, the sliding window as `granite_swa`, MLA
-as `deepseek2`, Mamba as `mamba`), 64 greedy tokens from llama.cpp on the f32 file equal the zoo's `generate()` (for
-the window, a prompt and a continuation far longer than it), llama.cpp tokenizes a few strings as the zoo's tokenizer
-does, and its prompt logits match; q8_0's drift is measured (a loose bound asserted) and f16 loads and generates. Why
-the window is not written as `llama` is measured too: llama.cpp's `llama` architecture, given the window's weights,
-computes full causal attention, which leaves the window model's tokens once the prompt is longer than the window.
+every variant llama.cpp has an architecture for (the MHA family as `llama`, the sliding window as `granite_swa`, MLA as
+`deepseek2`, Mamba as `mamba`), 64 greedy tokens from llama.cpp on the f32 file equal the zoo's `generate()` (for the
+window, a prompt and a continuation far longer than it), llama.cpp tokenizes a few strings as the zoo's tokenizer does,
+and its prompt logits match; q8_0's drift is measured (a loose bound asserted) and f16 loads and generates (gqa and
+mamba). Why the window is not written as `llama` is measured too: llama.cpp's `llama` architecture, given the window's
+weights, computes full causal attention, which leaves the window model's tokens once the prompt is longer than the
+window.
 """
 
 import pytest
@@ -151,10 +152,11 @@ def test_llama_cpp_generates_the_zoo_tokens(name, llama_cpp, tokenizer, tmp_path
 
 
 @pytest.mark.slow
-def test_llama_cpp_q8_0_drift_is_measured_and_f16_runs(llama_cpp, tokenizer, tmp_path):
+@pytest.mark.parametrize("name", ["gqa", "mamba"])  # mamba: its convolution and A stay float32 as llama.cpp reads them
+def test_llama_cpp_q8_0_drift_is_measured_and_f16_runs(name, llama_cpp, tokenizer, tmp_path):
     from experiments.speed.llama_cpp import run_llama_cpp
 
-    checkpoint, zoo = zoo_checkpoint(tmp_path / "zoo", "gqa", tokenizer)
+    checkpoint, zoo = zoo_checkpoint(tmp_path / "zoo", name, tokenizer)
     prompt = prompt_ids(tokenizer)
     expected = zoo_greedy(zoo, prompt)
     with torch.no_grad():
