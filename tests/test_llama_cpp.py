@@ -1,17 +1,19 @@
 """`hf-attn-zoo export --to gguf`: the file llama.cpp reads, checked by llama.cpp itself.
 
-Fast (the default suite, the `gguf` package only): a `llama` file is read back by transformers' own GGUF loader, an
-independent reader that undoes llama.cpp's RoPE row order, and computes the zoo's logits within 1e-5 at f32; its
-embedded tokenizer tokenizes as the checkpoint's; every variant llama.cpp has no architecture for is refused up front
-with the reason, the output folder untouched.
+Fast (the default suite, the `gguf` package only): a `llama` or `mamba` file is read back by transformers' own GGUF
+loader, an independent reader that undoes llama.cpp's RoPE row order (llama) and its A = -exp(A_log) and squeezed
+convolution (mamba), and computes the zoo's logits within 1e-5 at f32 and its 64 greedy tokens; its embedded
+tokenizer tokenizes as the checkpoint's; every variant llama.cpp has no architecture for is refused up front with the
+reason, the output folder untouched.
 
 Slow (llama.cpp through llama-cpp-python, built once into a cached environment: experiments/speed/llama_cpp.py): for
-every variant llama.cpp has an architecture for (the MHA family as `llama`, the sliding window as `granite_swa`, MLA
-as `deepseek2`), 64 greedy tokens from llama.cpp on the f32 file equal the zoo's `generate()` (for the window, a
-prompt and a continuation far longer than it), llama.cpp tokenizes a few strings as the zoo's tokenizer does, and its
-prompt logits match; q8_0's drift is measured (a loose bound asserted) and f16 loads and generates. Why the window is
-not written as `llama` is measured too: llama.cpp's `llama` architecture, given the window's weights, computes full
-causal attention, which leaves the window model's tokens once the prompt is longer than the window.
+every variant llama.cpp has an architecture for (the MHA family as `llama`, the sliding window as `granite_swa`, MLA as
+`deepseek2`, Mamba as `mamba`), 64 greedy tokens from llama.cpp on the f32 file equal the zoo's `generate()` (for the
+window, a prompt and a continuation far longer than it), llama.cpp tokenizes a few strings as the zoo's tokenizer does,
+and its prompt logits match; q8_0's drift is measured (a loose bound asserted) and f16 loads and generates (gqa and
+mamba). Why the window is not written as `llama` is measured too: llama.cpp's `llama` architecture, given the window's
+weights, computes full causal attention, which leaves the window model's tokens once the prompt is longer than the
+window.
 """
 
 import pytest
@@ -34,6 +36,8 @@ IN_LLAMA_CPP = [name for name in NAMES if VARIANTS[name].attention_class.gguf_ar
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 8
 STRINGS = ["def add(a, b):\n    return a + b", "héllo  wörld 123!", "   x = [1, 2]\n\n\tz", "a<|endoftext|>b"]
 NEW_TOKENS = 64
+# the llama.cpp architectures transformers' GGUF loader reads back (granite_swa and deepseek2 it does not)
+READ_BY_TRANSFORMERS = ("llama", "mamba")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,7 @@ def test_gguf_is_read_back_with_the_zoo_logits_or_refused(name, tokenizer, tmp_p
     path = export_checkpoint(checkpoint, "gguf", out, dtype="f32")
     assert path == out / "gguf.gguf" and (out / "README.md").is_file()
     architecture = VARIANTS[name].attention_class.gguf_architecture
-    if architecture != "llama":  # transformers reads GGUF files of llama's layout only; llama.cpp's test is slow
+    if architecture not in READ_BY_TRANSFORMERS:  # llama.cpp's own test of these files is slow
         from gguf import GGUFReader
 
         reader = GGUFReader(path)
@@ -93,6 +97,8 @@ def test_gguf_is_read_back_with_the_zoo_logits_or_refused(name, tokenizer, tmp_p
     ids = torch.randint(0, zoo.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, zoo(ids).logits, atol=1e-5, rtol=1e-5)
+    prompt = prompt_ids(tokenizer)
+    assert zoo_greedy(loaded, prompt) == zoo_greedy(zoo, prompt)
     embedded = AutoTokenizer.from_pretrained(out, gguf_file=path.name)
     for text in STRINGS:
         assert embedded(text).input_ids == tokenizer(text).input_ids, text
@@ -146,10 +152,11 @@ def test_llama_cpp_generates_the_zoo_tokens(name, llama_cpp, tokenizer, tmp_path
 
 
 @pytest.mark.slow
-def test_llama_cpp_q8_0_drift_is_measured_and_f16_runs(llama_cpp, tokenizer, tmp_path):
+@pytest.mark.parametrize("name", ["gqa", "mamba"])  # mamba: its convolution and A stay float32 as llama.cpp reads them
+def test_llama_cpp_q8_0_drift_is_measured_and_f16_runs(name, llama_cpp, tokenizer, tmp_path):
     from experiments.speed.llama_cpp import run_llama_cpp
 
-    checkpoint, zoo = zoo_checkpoint(tmp_path / "zoo", "gqa", tokenizer)
+    checkpoint, zoo = zoo_checkpoint(tmp_path / "zoo", name, tokenizer)
     prompt = prompt_ids(tokenizer)
     expected = zoo_greedy(zoo, prompt)
     with torch.no_grad():

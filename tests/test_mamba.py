@@ -221,12 +221,46 @@ def test_import_and_export_commands_round_trip(tmp_path):
     assert_same_function(zoo, back)
 
 
-def test_gguf_export_is_refused_naming_why(tmp_path):
-    zoo = tiny_model("mamba")
-    zoo.save_pretrained(tmp_path / "zoo")
-    with pytest.raises(UserError, match="llama.cpp's mamba architecture holds it, but the zoo's GGUF .*--to mamba"):
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"use_bias": True}, "use_bias=True: llama.cpp's mamba has no bias"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu': llama.cpp's mamba applies SiLU"),
+        ({"scale_embedding": True}, "scale_embedding=True"),
+        ({"norm_position": "post"}, "norm_position='post' has no equivalent in llama.cpp's mamba"),
+        ({"intermediate_size": 96}, "intermediate_size=96: llama.cpp's mamba loads only the paper's expansion of 2"),
+    ],
+)
+def test_gguf_export_refuses_what_llama_cpps_mamba_cannot_compute(fields, named, tmp_path):
+    pytest.importorskip("gguf", reason="the GGUF writer needs the `gguf` package (the [gguf] extra)")
+    tiny_model("mamba", **fields).save_pretrained(tmp_path / "zoo")
+    with pytest.raises(UserError, match=named) as refused:
         export_checkpoint(tmp_path / "zoo", "gguf", tmp_path / "gguf")
-    assert not (tmp_path / "gguf").exists()
+    assert "\n" not in str(refused.value) and not (tmp_path / "gguf").exists()
+
+
+def test_gguf_without_a_convolution_bias_gets_zeros_and_keeps_the_scan_inputs_in_float32(tmp_path):
+    """llama.cpp's mamba always adds a convolution bias: `use_conv_bias=False` is written as zeros, and transformers'
+    GGUF loader (whose MambaConfig has the bias) computes the zoo's logits from the file. At f16 and q8_0 the
+    convolution's weight and A stay float32, as llama.cpp's kernels read them."""
+    gguf = pytest.importorskip("gguf", reason="the GGUF writer needs the `gguf` package (the [gguf] extra)")
+    from hf_attn_zoo.convert.gguf_writer import write_gguf
+    from hf_attn_zoo.data import train_byte_level_bpe
+
+    tokenizer = train_byte_level_bpe(["def f(x):\n    return x + 1\n" * 4], vocab_size=300)  # 256 bytes and merges
+    zoo = tiny_model("mamba", use_conv_bias=False, vocab_size=len(tokenizer))
+    path = write_gguf(zoo, tokenizer, tmp_path / "mamba.gguf", dtype="f32")
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    assert type(loaded) is MambaForCausalLM
+    assert all((layer.mixer.conv1d.bias == 0).all() for layer in loaded.backbone.layers)
+    ids = torch.randint(3, len(tokenizer), (2, 19), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, zoo(ids).logits, atol=ATOL, rtol=ATOL)
+    for dtype in ("f16", "q8_0"):
+        reader = gguf.GGUFReader(write_gguf(zoo, tokenizer, tmp_path / f"{dtype}.gguf", dtype=dtype))
+        types = {tensor.name: tensor.tensor_type for tensor in reader.tensors}
+        assert types["blk.0.ssm_conv1d.weight"] == types["blk.0.ssm_a"] == gguf.GGMLQuantizationType.F32
+        assert types["blk.0.ssm_in.weight"] != gguf.GGMLQuantizationType.F32
 
 
 def test_native_export_refuses_what_mamba_cannot_hold():

@@ -1,32 +1,42 @@
 """Zoo checkpoints as GGUF files that llama.cpp (and ollama, llama-cpp-python) run, written with the `gguf` package.
 
-Three llama.cpp architectures hold zoo variants (the attention class's `gguf_architecture`): `llama` for the MHA family
-(grouped key/value heads through `head_count_kv`), `granite_swa` for the sliding window, and `deepseek2` for MLA (every
+Four llama.cpp architectures hold zoo variants (the attention class's `gguf_architecture`): `llama` for the MHA family
+(grouped key/value heads through `head_count_kv`), `granite_swa` for the sliding window, `deepseek2` for MLA (every
 layer dense: `leading_dense_block_count` = the layer count; the latent up-projected by `attn_kv_b`, llama.cpp's path
-without absorption). llama.cpp's `llama` ignores `sliding_window` (measured: it attends over the whole context);
-`granite_swa` is Llama's layout with llama.cpp's standard window (a key at distance >= `sliding_window` is masked: w
-keys, the query's own included, as transformers' mask) on the layers its pattern marks, here all of them, with a
-logit scale of 1 and per-head attention sinks of -1e30 (a sink adds exp(sink) to the softmax's denominator: nothing).
+without absorption), and `mamba` for the Mamba mixer (`ssm_*` tensors and metadata, blocks without an MLP).
+llama.cpp's `llama` ignores `sliding_window` (measured: it attends over the whole context); `granite_swa` is Llama's
+layout with llama.cpp's standard window (a key at distance >= `sliding_window` is masked: w keys, the query's own
+included, as transformers' mask) on the layers its pattern marks, here all of them, with a logit scale of 1 and
+per-head attention sinks of -1e30 (a sink adds exp(sink) to the softmax's denominator: nothing).
 Tensor names and metadata keys come from the `gguf` package's constants (`MODEL_TENSOR`, `GGUFWriter.add_*`), and
-two of llama.cpp's conventions matter for the numbers:
+three of llama.cpp's conventions matter for the numbers:
 
 - RoPE: llama.cpp's `llama`, `granite_swa` and `deepseek2` rotate adjacent channel pairs (2i, 2i + 1), the zoo
   pairs i with i + d/2. The rows producing rotated channels (a head's rows of `q_proj` and `k_proj` and their
   biases; MLA's RoPE rows of the queries and of `kv_a_proj_with_mqa`) are reordered so that llama.cpp's pairs are
   the zoo's: row 2i + j of a rotated block is row j·d/2 + i of the original.
+- Mamba: llama.cpp stores A itself, not its logarithm (`ssm_a` = -exp(`A_log`)), and the depthwise convolution's
+  weight as a (channels, kernel) matrix (`conv1d.weight` is (channels, 1, kernel)); `ssm_a` and `ssm_d` carry no
+  ".weight" suffix. llama.cpp's mamba always has a convolution bias (zeros are written where `use_conv_bias=False`),
+  never a bias on `in_proj` / `out_proj`, and applies SiLU after the convolution.
 - Types: f32 keeps every tensor in float32; f16 stores matrices in float16 and keeps the norms' vectors in float32,
   as llama.cpp's own converter does; q8_0 quantises matrices whose rows are a multiple of its 32-value block and
-  stores the others in float16.
+  stores the others in float16. Mamba's convolution weight and A stay float32 at every type, as llama.cpp's
+  converter keeps them (its convolution and scan kernels read float32).
 
 The tokenizer goes into the file too, so llama.cpp tokenizes as the checkpoint's tokenizer does: the zoo's byte-level
 BPE is GPT-2's scheme (`tokenizer.ggml.model = "gpt2"`, pre-tokenizer `gpt-2`, the same regular expression), with its
 tokens, merges, token types (special tokens are control tokens) and BOS / EOS / padding ids. A tokenizer llama.cpp
 would split differently (another model, a normaliser, no GPT-2 regular expression with merges) is refused.
 
-What else is refused, naming the field: a position type other than RoPE, a norm other than RMSNorm, an MLP other
-than the gated one, an activation other than SiLU, RoPE scaling; for MLA, biases (`deepseek2` has none), a latent
-without its norm and per-layer RoPE frequencies (a converted MLA), and no RoPE-free query part; and every variant
-llama.cpp has no architecture for (reasons in `gguf_refusal`).
+What else is refused, naming the field: a position type other than RoPE, a norm other than RMSNorm, an MLP other than
+the gated one, an activation other than SiLU, RoPE scaling; for MLA, biases (`deepseek2` has none), a latent without
+its norm and per-layer RoPE frequencies (a converted MLA), and no RoPE-free query part; for Mamba, what transformers'
+`MambaForCausalLM` cannot hold either (`mamba_refusal`: positions, post-norm, an MLP, a scaled embedding),
+`use_bias=True`, an activation other than SiLU and a mixer width other than 2 · `hidden_size` (llama.cpp loads no other
+expansion); and every variant llama.cpp has no architecture for (reasons in `gguf_refusal`). Mamba's `time_step_*`
+fields and `scan_chunk_size` are not refused: they set the initial Δ and how the zoo's scan is chunked, not the
+function a trained model computes.
 """
 
 import json
@@ -38,6 +48,7 @@ import torch
 
 from ..models import get_variant
 from .llama import LLAMA_BACKBONE
+from .mamba import mamba_refusal
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 Q8_0_BLOCK = 32  # values per q8_0 block: a row must be a multiple of it
@@ -50,6 +61,8 @@ def gguf_refusal(config) -> str | None:
     architecture = variant.attention_class.gguf_architecture
     if architecture is None:
         return variant.attention_class.gguf_absence
+    if architecture == "mamba":
+        return mamba_gguf_refusal(config)
     for field, required in LLAMA_BACKBONE.items():
         if getattr(config, field) != required:
             return f"{field}={getattr(config, field)!r}: llama.cpp's {architecture} needs {required!r}"
@@ -67,6 +80,23 @@ def gguf_refusal(config) -> str | None:
             )
         if config.qk_nope_head_dim < 1:
             return "qk_nope_head_dim=0: llama.cpp's deepseek2 needs a RoPE-free part in every query head"
+    return None
+
+
+def mamba_gguf_refusal(config) -> str | None:
+    """Why llama.cpp's `mamba` cannot compute what the zoo `mamba` config `config` computes, or None."""
+    reason = mamba_refusal(config)  # llama.cpp's mamba is transformers' MambaForCausalLM's block, less two choices
+    if reason is not None:
+        return reason.replace("mamba equivalent", "equivalent in llama.cpp's mamba")
+    if config.use_bias:
+        return "use_bias=True: llama.cpp's mamba has no bias on in_proj and out_proj (ssm_in, ssm_out)"
+    if config.hidden_act != "silu":
+        return f"hidden_act={config.hidden_act!r}: llama.cpp's mamba applies SiLU after the convolution"
+    if config.intermediate_size != 2 * config.hidden_size:
+        return (
+            f"intermediate_size={config.intermediate_size}: llama.cpp's mamba loads only the paper's expansion of 2 "
+            f"(intermediate_size = 2 * hidden_size = {2 * config.hidden_size})"
+        )
     return None
 
 
@@ -150,19 +180,28 @@ def add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def stored(tensor: torch.Tensor, dtype: str):
-    """(array, raw type or None) of one tensor at `dtype`: vectors stay float32, matrices take `dtype`."""
+def stored(tensor: torch.Tensor, dtype: str, float32: bool = False):
+    """(array, raw type or None) of one tensor at `dtype`: vectors (and any tensor with `float32`) stay float32,
+    matrices take `dtype`."""
     import gguf
 
     array = tensor.detach().to(torch.float32).contiguous().numpy()
-    if array.ndim == 1 or dtype == "f32":
+    if array.ndim == 1 or dtype == "f32" or float32:
         return array, None
     if dtype == "q8_0" and array.shape[-1] % Q8_0_BLOCK == 0:
         return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
     return array.astype(np.float16), None
 
 
+def add_attention_metadata(writer, config) -> None:
+    """What llama.cpp's attention architectures (`llama`, `granite_swa`, `deepseek2`) share."""
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+
+
 def add_llama_metadata(writer, config) -> None:
+    add_attention_metadata(writer, config)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
@@ -181,6 +220,7 @@ NO_SINK = -1e30  # an attention sink's logit: exp(NO_SINK - max) is 0 in every s
 
 
 def add_deepseek2_metadata(writer, config) -> None:
+    add_attention_metadata(writer, config)
     # the non-absorbed MLA of llama.cpp: every head's keys and values up-projected, like MHA with H key/value heads
     writer.add_head_count_kv(config.num_attention_heads)
     writer.add_key_length(config.qk_nope_head_dim + config.qk_rope_head_dim)
@@ -193,11 +233,43 @@ def add_deepseek2_metadata(writer, config) -> None:
     writer.add_expert_shared_count(0)
 
 
+def add_mamba_metadata(writer, config) -> None:
+    # no attention and no MLP: llama.cpp reads the two counts all the same, and 0 is what its own converter writes
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_ssm_conv_kernel(config.conv_kernel)
+    writer.add_ssm_inner_size(config.intermediate_size)
+    writer.add_ssm_state_size(config.state_size)
+    writer.add_ssm_time_step_rank(config.time_step_rank)
+    writer.add_ssm_dt_b_c_rms(False)  # Falcon-Mamba's norms of Δ, B and C: not Mamba-1's
+
+
+METADATA = {
+    "llama": add_llama_metadata,
+    "granite_swa": add_granite_swa_metadata,
+    "deepseek2": add_deepseek2_metadata,
+    "mamba": add_mamba_metadata,
+}
+
+
 def layer_tensor_names(architecture: str) -> dict[str, tuple]:
-    """A decoder layer's state-dict names (after `model.layers.N.`) -> (GGUF tensor kind, "weight" or "bias")."""
+    """A decoder layer's state-dict names (after `model.layers.N.`) -> (GGUF tensor kind, "weight", "bias" or "")."""
     import gguf
 
     kind = gguf.MODEL_TENSOR
+    if architecture == "mamba":
+        return {
+            "input_layernorm.weight": (kind.ATTN_NORM, "weight"),
+            "self_attn.in_proj.weight": (kind.SSM_IN, "weight"),
+            "self_attn.conv1d.weight": (kind.SSM_CONV1D, "weight"),
+            "self_attn.conv1d.bias": (kind.SSM_CONV1D, "bias"),
+            "self_attn.x_proj.weight": (kind.SSM_X, "weight"),
+            "self_attn.dt_proj.weight": (kind.SSM_DT, "weight"),
+            "self_attn.dt_proj.bias": (kind.SSM_DT, "bias"),
+            "self_attn.A_log": (kind.SSM_A, ""),  # llama.cpp names these two without a suffix
+            "self_attn.D": (kind.SSM_D, ""),
+            "self_attn.out_proj.weight": (kind.SSM_OUT, "weight"),
+        }
     names = {
         "input_layernorm.weight": (kind.ATTN_NORM, "weight"),
         "post_attention_layernorm.weight": (kind.FFN_NORM, "weight"),
@@ -225,8 +297,19 @@ def layer_tensor_names(architecture: str) -> dict[str, tuple]:
     return names
 
 
+def mamba_tensor(rest: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (a mamba layer's `rest`) as llama.cpp's mamba reads it."""
+    if rest == "self_attn.A_log":
+        return -torch.exp(tensor.float())  # (D, N): A itself, as the scan uses it
+    if rest == "self_attn.conv1d.weight":
+        return tensor.reshape(tensor.shape[0], tensor.shape[-1])  # (D, 1, k) -> (D, k): one filter per channel
+    return tensor
+
+
 def rotary_rows(config, architecture: str, rest: str, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (a layer's `rest`) with the rows that RoPE rotates in llama.cpp's pair order."""
+    if architecture == "mamba":
+        return mamba_tensor(rest, tensor)
     if architecture in ("llama", "granite_swa"):
         if rest.startswith("self_attn.q_proj"):
             return permute_rotary(tensor, config.num_attention_heads)
@@ -242,7 +325,7 @@ def rotary_rows(config, architecture: str, rest: str, tensor: torch.Tensor) -> t
 
 def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", name: str | None = None) -> Path:
     """Write a zoo causal LM and its tokenizer as one GGUF file for llama.cpp (`llama` for the MHA family,
-    `granite_swa` for the sliding window, `deepseek2` for MLA)."""
+    `granite_swa` for the sliding window, `deepseek2` for MLA, `mamba` for Mamba)."""
     import gguf
 
     config = model.config
@@ -265,17 +348,16 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    metadata = {"llama": add_llama_metadata, "granite_swa": add_granite_swa_metadata}
-    metadata.get(architecture, add_deepseek2_metadata)(writer, config)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    METADATA[architecture](writer, config)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
     add_tokenizer(writer, tokenizer, config.vocab_size)
 
     names, layer_names = gguf.TENSOR_NAMES, layer_tensor_names(architecture)
+    # llama.cpp's convolution and scan kernels read these in float32 (its converter never stores them otherwise)
+    float32_kinds = (gguf.MODEL_TENSOR.SSM_CONV1D, gguf.MODEL_TENSOR.SSM_A)
     for key, tensor in model.state_dict().items():
+        kind = None
         if key == "model.embed_tokens.weight":
             target = f"{names[gguf.MODEL_TENSOR.TOKEN_EMBD]}.weight"
         elif key == "model.norm.weight":
@@ -289,9 +371,9 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
             if rest not in layer_names:
                 raise ValueError(f"{key}: no GGUF tensor for it in llama.cpp's {architecture} architecture")
             kind, part = layer_names[rest]
-            target = f"{names[kind].format(bid=int(layer))}.{part}"
+            target = names[kind].format(bid=int(layer)) + (f".{part}" if part else "")
             tensor = rotary_rows(config, architecture, rest, tensor)
-        array, raw_dtype = stored(tensor, dtype)
+        array, raw_dtype = stored(tensor, dtype, float32=kind in float32_kinds)
         if raw_dtype is None:
             writer.add_tensor(target, array)
         else:
@@ -301,6 +383,10 @@ def write_gguf(model, tokenizer, path: str | os.PathLike, dtype: str = "f16", na
         sinks = np.full((config.num_attention_heads,), NO_SINK, dtype=np.float32)
         for layer in range(config.num_hidden_layers):
             writer.add_tensor(f"{names[gguf.MODEL_TENSOR.ATTN_SINKS].format(bid=layer)}.weight", sinks)
+    if architecture == "mamba" and not config.use_conv_bias:
+        zeros = np.zeros((config.intermediate_size,), dtype=np.float32)  # llama.cpp's mamba always adds one
+        for layer in range(config.num_hidden_layers):
+            writer.add_tensor(f"{names[gguf.MODEL_TENSOR.SSM_CONV1D].format(bid=layer)}.bias", zeros)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -236,11 +236,7 @@ class ZooMambaMixer(ZooAttention):
 
     family = "mamba"
     native_format = "mamba"  # transformers' MambaForCausalLM (`hf_attn_zoo.convert.mamba`)
-    gguf_architecture = None
-    gguf_absence = (
-        "llama.cpp's mamba architecture holds it, but the zoo's GGUF writer does not write its ssm_* tensors and "
-        "state-space metadata yet"
-    )
+    gguf_architecture = "mamba"  # llama.cpp's Mamba-1 (`hf_attn_zoo.convert.gguf_writer`)
     backends = ("eager",)  # its own kernel
     compiles_fullgraph = False
     cache_layer = ZooStateLayer  # {"conv": (B, D, k - 1), "ssm": (B, D, N)}: nothing grows with the length
