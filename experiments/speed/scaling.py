@@ -216,7 +216,7 @@ def table(results: dict, setup: ScalingSetup) -> str:
     header = " | ".join(f"T={n}" for n in lengths)
     lines = [
         f"Forward time in seconds and peak memory in MiB (batch 1, {setup.num_hidden_layers} layers x "
-        f"{setup.hidden_size}, base model without the LM head, {torch.get_num_threads()} threads; — : over the time "
+        f"{setup.hidden_size}, base model without the LM head, {setup.threads or torch.get_num_threads()} threads; — : over the time "
         f"budget), fitted exponents, the decoding cache after {setup.decode_tokens} generated tokens, and when each "
         "row was measured with the machine's 1-minute load average then (rows of one date are one run, one process).",
         "",
