@@ -216,9 +216,10 @@ def table(results: dict, setup: ScalingSetup) -> str:
     header = " | ".join(f"T={n}" for n in lengths)
     lines = [
         f"Forward time in seconds and peak memory in MiB (batch 1, {setup.num_hidden_layers} layers x "
-        f"{setup.hidden_size}, base model without the LM head, {setup.threads or torch.get_num_threads()} threads; — : over the time "
-        f"budget), fitted exponents, the decoding cache after {setup.decode_tokens} generated tokens, and when each "
-        "row was measured with the machine's 1-minute load average then (rows of one date are one run, one process).",
+        f"{setup.hidden_size}, base model without the LM head, {setup.threads or torch.get_num_threads()} threads; "
+        f"— : over the time budget), fitted exponents, the decoding cache after {setup.decode_tokens} generated "
+        "tokens, and when each row was measured with the machine's 1-minute load average then (rows of one date "
+        "are one run, one process).",
         "",
         f"| variant | params | {header} | time exp. | memory exp. | cache (KiB) | cache bytes/token "
         "| measured (load) |",
