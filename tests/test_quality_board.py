@@ -187,12 +187,33 @@ def test_claims_say_holds_only_where_the_seeds_do_not_overlap():
         }
     )
     verdicts = dict(quality.claims(rows, setup))
-    multi_head, mqa, alibi, aft, linformer, absolute, differential = verdicts.values()
+    multi_head, mqa, alibi, aft, linformer, absolute, differential, linear, bigbird, mamba = verdicts.values()
     assert multi_head.startswith("holds: mha (rope) 20.50 ± 0.50 against single_head (rope) 22.50 ± 0.50")
     assert mqa.startswith("within noise") and "GQA's mean lies between them" in mqa
     assert aft.startswith("does not hold at this scale")
     assert alibi.startswith("not measured") and linformer.startswith("not measured (no finished cell of linformer")
     assert absolute.startswith("not measured") and differential.startswith("not measured (no finished cell of diff")
+    assert bigbird.startswith("not measured (no finished cell of bigbird") and mamba.startswith("not measured")
+    assert linear.startswith("not measured")
+
+    # the three newest: linear against gqa with RoPE and without positions (the worse decides), BigBird within 5%,
+    # Mamba no higher than gqa
+    newest = rows + fake_rows(
+        {
+            ("gqa", "none"): [23.0, 23.5, 24.0],
+            ("linear", "none"): [23.5, 24.0, 24.5],  # +14.3% on gqa (rope), +2.1% on gqa (none)
+            ("bigbird", "rope"): [21.0, 21.5, 22.0],  # +2.4%
+            ("mamba", "none"): [20.5, 20.8, 21.1],  # -1.0%
+        }
+    )
+    found = dict(quality.claims(newest, setup))
+    linear, bigbird, mamba = (
+        found[next(c for c in verdicts if c.startswith(p))] for p in ("Linear", "BigBird", "Mamba")
+    )
+    assert linear.startswith("does not hold at this scale: linear (none) 24.00 ± 0.50 against gqa (rope)")
+    assert "+2.1% (holds)" in linear
+    assert bigbird == "holds: bigbird (rope) 21.50 ± 0.50 against gqa (rope) 21.00 ± 0.40, +2.4%"
+    assert mamba == "holds: mamba (none) 20.80 ± 0.30 against gqa (rope) 21.00 ± 0.40, -1.0%"
 
     # absolute positions and differential attention: within 10% of their neighbour, the worst comparison decides
     near = rows + fake_rows({("gqa", "sinusoidal"): [22.0, 22.5, 23.0], ("gqa", "learned"): [30.0, 31.0, 32.0]})
