@@ -195,8 +195,14 @@ def selective_scan(
             decays = decays.masked_fill(first[:, None, start:end, None], 0.0)
         inputs = d * B[:, None, start:end] * x[:, :, start:end, None]  # (Bt, D, c, N): Δ_t B_t x_t
         states = []
-        for t in range(end - start):
-            state = torch.addcmul(inputs[:, :, t], decays[:, :, t], state)  # (Bt, D, N)
+        # token-major and contiguous, then unbound once: each step reads one contiguous (Bt, D, N) block, and the
+        # backward of one unbind stacks the gradients once, where c index selects would each fill a zero tensor of
+        # the whole chunk (measured: 73% of a training step)
+        steps = zip(
+            inputs.permute(2, 0, 1, 3).contiguous().unbind(0), decays.permute(2, 0, 1, 3).contiguous().unbind(0)
+        )
+        for step_input, decay in steps:
+            state = torch.addcmul(step_input, decay, state)  # (Bt, D, N)
             states.append(state)
         outputs.append((torch.stack(states, dim=2) * C[:, None, start:end]).sum(-1))  # (Bt, D, c): C_t h_t
     return torch.cat(outputs, dim=-1), state
