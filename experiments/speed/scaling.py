@@ -214,9 +214,10 @@ def measured(result: dict) -> str:
 def table(results: dict, setup: ScalingSetup) -> str:
     lengths = setup.lengths
     header = " | ".join(f"T={n}" for n in lengths)
+    threads = setup.threads or torch.get_num_threads()
     lines = [
         f"Forward time in seconds and peak memory in MiB (batch 1, {setup.num_hidden_layers} layers x "
-        f"{setup.hidden_size}, base model without the LM head, {setup.threads or torch.get_num_threads()} threads; "
+        f"{setup.hidden_size}, base model without the LM head, {threads} thread{'s' if threads != 1 else ''}; "
         f"— : over the time budget), fitted exponents, the decoding cache after {setup.decode_tokens} generated "
         "tokens, and when each row was measured with the machine's 1-minute load average then (rows of one date "
         "are one run, one process).",
