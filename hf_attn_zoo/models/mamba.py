@@ -20,7 +20,7 @@ tensor (`hf_attn_zoo.convert.mamba`). Parameter names inside the mixer are trans
 Training, scoring and a prompt: `selective_scan` computes the decays exp(Δ_t A) and inputs Δ_t B_t x_t of
 `scan_chunk_size` tokens at once, then steps the recurrence through them one token at a time, one fused
 multiply-add over the (D, N) state per token: O(T·D·N) time, as the paper's scan, in torch on any device. An
-earlier form summed each chunk in closed form (every pair of tokens in it, O(T·D·N·c)); on CPUs it was 4 times
+earlier form summed each chunk in closed form (every pair of tokens in it, O(T·D·N·c)); on CPUs it was 3 times
 slower at chunks of 4 and its time grew with the chunk, so it now serves only graphs being exported
 (`closed_form_scan`, the whole row as one chunk), where a loop over a dynamic length cannot be traced.
 
