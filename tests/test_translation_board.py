@@ -257,3 +257,33 @@ def test_the_readme_row_is_replaced_by_its_question(tmp_path):
     assert report.write_readme(f"{report.README_ROW} new | link |", readme)
     assert readme.read_text() == f"| q | m | w |\n{report.README_ROW} new | link |\n| other | row | x |\n"
     assert not report.write_readme("x", tmp_path / "absent.md")
+
+
+def test_the_native_control_is_marian_at_the_recipes_sizes(tmp_path):
+    """experiments/translation/native.py: a fresh MarianMTModel of the Transformer recipe's sizes and dropout with the
+    zoo run's tokenizer, within 1% of the zoo model's parameters, saved where `model.init_from` reads it."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from experiments.translation import native
+    from hf_attn_zoo.data import tokenizer_fields, train_byte_level_bpe
+    from hf_attn_zoo.pairs import seq2seq_tokenizer
+    from hf_attn_zoo.train.recipe import load_recipe
+
+    recipe = str(cells.REPOSITORY / "configs" / "train" / "bible_en_es_transformer.yaml")
+    texts = [text for pair in default_pairs() for text in (pair["source"], pair["target"])]
+    tokenizer = seq2seq_tokenizer(train_byte_level_bpe(texts, 400))
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    assert native.main([recipe, str(tmp_path / "tokenizer"), str(tmp_path / "marian")]) == 0
+    marian = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "marian")
+    model_args, _, _ = load_recipe(recipe)
+    zoo = AutoModelForSeq2SeqLM.from_config(
+        model_args.seq2seq_config(**tokenizer_fields(tokenizer), decoder_start_token_id=tokenizer.bos_token_id)
+    )
+    config = marian.config
+    assert type(marian).__name__ == "MarianMTModel" and config.d_model == zoo.config.hidden_size == 256
+    assert (config.encoder_layers, config.decoder_layers, config.encoder_attention_heads) == (3, 3, 4)
+    assert config.dropout == zoo.config.hidden_dropout == 0.1 and config.vocab_size == len(tokenizer)
+    assert config.decoder_start_token_id == tokenizer.bos_token_id and config.pad_token_id == tokenizer.pad_token_id
+    count = sum(p.numel() for p in marian.parameters())
+    assert abs(count / sum(p.numel() for p in zoo.parameters()) - 1) < 0.01
+    assert (tmp_path / "marian" / "tokenizer.json").is_file()  # model.init_from takes the checkpoint's tokenizer
