@@ -33,12 +33,33 @@ class FakeTokenizer:
         return self.size
 
 
+def native_control_start(recipe, folder) -> str:
+    """The fresh MarianMTModel the native-control recipe starts from, written as its comment says (from the zoo
+    recipe's sizes), with a small tokenizer of the embedded pairs."""
+    from experiments.translation import native
+    from hf_attn_zoo.data import train_byte_level_bpe
+    from hf_attn_zoo.pairs import default_pairs, seq2seq_tokenizer
+
+    texts = [text for pair in default_pairs() for text in (pair["source"], pair["target"])]
+    seq2seq_tokenizer(train_byte_level_bpe(texts, 400)).save_pretrained(folder / "tokenizer")
+    zoo_recipe = recipe.parent / "bible_en_es_transformer.yaml"
+    assert native.main([str(zoo_recipe), str(folder / "tokenizer"), str(folder / "start")]) == 0
+    return str(folder / "start")
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[path.stem for path in RECIPES])
 def test_every_shipped_recipe_loads_and_builds_its_model(recipe, tmp_path):
     overrides = ["--training.output_dir", str(tmp_path)]
     if not torch.cuda.is_available() and "requires_gpu: true" in recipe.read_text():
         # such a recipe is refused on a machine without a GPU, and TrainingArguments refuses its bf16 there
         overrides += ["--training.requires_gpu", "false", "--training.bf16", "false"]
+    if "init_from:" in recipe.read_text():  # the native control starts from a checkpoint its comment says to write
+        built = native_control_start(recipe, tmp_path)
+        model_args, data_args, training_args = load_recipe(recipe, [*overrides, "--model.init_from", built])
+        model = build_seq2seq_model(model_args, AutoTokenizer.from_pretrained(built), data_args.max_source_length)
+        assert type(model).__name__ == "MarianMTModel" and model.config.is_encoder_decoder
+        assert training_args.report_to == ["tensorboard"]
+        return
     model_args, data_args, training_args = load_recipe(recipe, overrides)
     with torch.device("meta"):
         if model_args.seq2seq:  # a translator: built from its pairs' shared tokenizer (tests/test_translation.py)
