@@ -1,6 +1,7 @@
 """The scaling benchmark's pieces (experiments/speed/scaling.py): the exponent fit, cache accounting, how its models
 are sized, and a smoke run of the command."""
 
+import dataclasses
 import json
 
 import pytest
@@ -67,16 +68,29 @@ def test_scaling_command_writes_table_json_and_exponents(tmp_path):
 
 def test_scaling_add_keeps_the_other_rows_and_refuses_other_sizes(tmp_path):
     """`--add` measures new variants beside the earlier rows (kept as they were, in the registry's order); rows
-    measured at other sizes are not mixed in."""
+    measured at other sizes are not mixed in, and nothing is measured before that is checked."""
     args = ["--lengths", "32", "64", "--decode_tokens", "4", "--hidden_size", "32", "--num_hidden_layers", "1"]
     args += ["--vocab_size", "64", "--runs", "1", "--output_dir", str(tmp_path)]
-    assert run_experiment(["scaling", "--variants", "gqa", "aft_simple", *args]) == 0
-    earlier = json.loads((tmp_path / "scaling.json").read_text())["results"]
-    assert run_experiment(["scaling", "--variants", "mqa", "gqa", "--add", *args]) == 0
+    setup = scaling.ScalingSetup(
+        variants=["gqa", "aft_simple"],
+        lengths=[32, 64],
+        decode_tokens=4,
+        hidden_size=32,
+        num_hidden_layers=1,
+        vocab_size=64,
+        runs=1,
+        output_dir=str(tmp_path),
+    )
+    rows = [{"length": n, "seconds": 0.5, "peak_bytes": 2**21} for n in (32, 64)]
+    earlier = {
+        name: {"parameters": 1, "forward": rows, "cache_bytes": 8, "cached_tokens": 19} for name in setup.variants
+    }
+    (tmp_path / "scaling.json").write_text(json.dumps({"setup": dataclasses.asdict(setup), "results": earlier}))
+    assert run_experiment(["scaling", "--variants", "mqa", "--add", *args]) == 0
     data = json.loads((tmp_path / "scaling.json").read_text())
     assert list(data["results"]) == ["mqa", "gqa", "aft_simple"] == data["setup"]["variants"]
-    assert data["results"]["aft_simple"] == earlier["aft_simple"]
-    assert data["results"]["gqa"] != earlier["gqa"]  # re-measured
+    assert data["results"]["aft_simple"] == earlier["aft_simple"] and data["results"]["gqa"] == earlier["gqa"]
+    assert data["results"]["mqa"]["forward"][0]["seconds"] > 0  # measured by this run
     table = (tmp_path / "scaling.md").read_text()
     assert table.count("| `") == 3 and f"{data['results']['mqa']['measured']} (" in table
     wider = [a if a != "32" or i != args.index("--hidden_size") + 1 else "64" for i, a in enumerate(args)]
