@@ -1,7 +1,8 @@
 """The small-data fields of the one training path, each doing what it says: batches by token count over pairs of
 similar length (`training.batch_tokens`, padding measured), the mean of the last checkpoints
 (`training.average_checkpoints`), early stopping on a validation metric (`training.early_stopping_patience`), label
-smoothing (`training.label_smoothing_factor`), beam search's length penalty (`training.generation_length_penalty`),
+smoothing (`training.label_smoothing_factor`), word dropout (`training.source_word_dropout`, `target_word_dropout`),
+beam search's length penalty (`training.generation_length_penalty`),
 and one final evaluation where the Trainer evaluated the last step already."""
 
 import json
@@ -168,3 +169,67 @@ def test_the_length_penalty_reaches_the_saved_generation_config(tmp_path):
     assert generation["length_penalty"] == 1.3 and generation["num_beams"] == 2
     with pytest.raises(UserError, match=r"generation_length_penalty=1\.3 .*generation_num_beams to 2 or more"):
         load_recipe(RECIPE, ["--training.output_dir", str(tmp_path), "--training.generation_length_penalty", "1.3"])
+
+
+def test_drop_words_replaces_tokens_at_the_rate_and_keeps_what_it_is_told():
+    from hf_attn_zoo.train.trainer import drop_words
+
+    torch.manual_seed(0)
+    tokens = torch.randint(3, 100, (64, 256))  # (B, T)
+    keep = torch.zeros_like(tokens, dtype=torch.bool)
+    keep[:, 0] = True
+    dropped = drop_words(tokens, 0.3, replacement=1, keep=keep)
+    replaced = dropped != tokens
+    assert torch.equal(dropped[replaced], torch.ones(int(replaced.sum()), dtype=tokens.dtype))
+    assert not replaced[:, 0].any()
+    # 16,320 draws at 0.3: the fraction within 5 standard deviations (0.018) of the rate
+    assert abs(float(replaced[:, 1:].float().mean()) - 0.3) < 0.018
+    assert drop_words(tokens, 0.0, replacement=1) is tokens
+
+
+def test_word_dropout_reaches_the_training_batches_only(tmp_path):
+    """`training.target_word_dropout`: the decoder's inputs of a training batch are the labels shifted right with
+    some tokens replaced by the pad token (never the start token, never padding); the labels and the source stay.
+    `training.source_word_dropout` does the same to the source. Evaluation batches are not touched."""
+    from hf_attn_zoo.train.tasks import TASKS
+
+    overrides = ["--training.target_word_dropout", "0.5", "--training.source_word_dropout", "0.25"]
+    model_args, data_args, training_args = load_recipe(RECIPE, ["--training.output_dir", str(tmp_path), *overrides])
+    task = TASKS["seq2seq"]()
+    prepared = task.prepare(data_args)
+    model = task.build(model_args, data_args, prepared)
+    trainer = task.trainer_class(
+        model=model,
+        args=training_args,
+        train_dataset=prepared.train,
+        eval_dataset=prepared.validation,
+        data_collator=task.collator(model, prepared),
+    )
+    batch = task.collator(model, prepared)([prepared.train[i] for i in range(16)])
+    pad = model.config.pad_token_id
+    torch.manual_seed(0)
+    noisy = trainer.drop_words(model, dict(batch))
+    shifted = model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+    changed = noisy["decoder_input_ids"] != shifted
+    assert changed.any() and (noisy["decoder_input_ids"][changed] == pad).all()
+    assert not changed[:, 0].any() and torch.equal(noisy["labels"], batch["labels"])
+    real = (shifted != pad) & (torch.arange(shifted.shape[1]) > 0)
+    assert 0.3 < float(changed[real].float().mean()) < 0.7
+    source_changed = noisy["input_ids"] != batch["input_ids"]
+    assert source_changed.any() and not source_changed[batch["attention_mask"] == 0].any()
+    # the loss of a training step is the loss on the noisy batch; an evaluation's is the clean one
+    model.train()
+    model.config.hidden_dropout = model.config.attention_dropout = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    torch.manual_seed(1)
+    trained = trainer.compute_loss(model, dict(batch))
+    torch.manual_seed(1)
+    expected = model(**trainer.drop_words(model, dict(batch))).loss
+    torch.testing.assert_close(trained, expected, rtol=0, atol=0)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.compute_loss(model, dict(batch)), model(**batch).loss, rtol=0, atol=0)
+    with pytest.raises(UserError, match=r"target_word_dropout=1\.0 is a probability .* \[0, 1\)"):
+        load_recipe(RECIPE, ["--training.output_dir", str(tmp_path), "--training.target_word_dropout", "1.0"])

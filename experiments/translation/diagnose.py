@@ -41,6 +41,7 @@ from experiments.translation.board import BOOK, batches, bleu_chrf, collate  # n
 from hf_attn_zoo.data import train_byte_level_bpe  # noqa: E402
 from hf_attn_zoo.models import SEQ2SEQ  # noqa: E402
 from hf_attn_zoo.pairs import seq2seq_tokenizer  # noqa: E402
+from hf_attn_zoo.train.trainer import drop_words  # noqa: E402
 
 
 def load_pairs(args) -> tuple:
@@ -236,7 +237,13 @@ def train(model, pairs, args, tokenizer, validation) -> dict:
     model.train()
     losses, curve, start = [], [], time.perf_counter()
     for step in range(args.steps):
-        loss = model(**collate(next(stream), pad)).loss
+        batch = collate(next(stream), pad)
+        if args.target_word_dropout:  # the decoder's inputs lose words, as the recipe field does (`drop_words`)
+            decoder_inputs = model.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+            keep = decoder_inputs == pad
+            keep[:, 0] = True
+            batch["decoder_input_ids"] = drop_words(decoder_inputs, args.target_word_dropout, pad, keep)
+        loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -262,6 +269,9 @@ def main() -> None:
     parser.add_argument("--label", default="", help="the row's name in the output")
     parser.add_argument(
         "--embedding_std", type=float, default=None, help="re-initialise the (shared) token embeddings at this std"
+    )
+    parser.add_argument(
+        "--target_word_dropout", type=float, default=0.0, help="replace decoder inputs by the pad token at this rate"
     )
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -295,6 +305,7 @@ def main() -> None:
         "model": args.model,
         "config": json.loads(args.config),
         "embedding_std": args.embedding_std,
+        "target_word_dropout": args.target_word_dropout,
         "seed": args.seed,
         "steps": args.steps,
         "parameters": sum(p.numel() for p in model.parameters()),

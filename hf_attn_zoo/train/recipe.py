@@ -256,6 +256,20 @@ class ZooTrainingArguments(Seq2SeqTrainingArguments):
             "with the best checkpoint (transformers' EarlyStoppingCallback; sets load_best_model_at_end)"
         },
     )
+    source_word_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "translators: the probability that a training source token is replaced by the pad token (word "
+            "dropout, Sennrich & Zhang 2019); 0 keeps every token"
+        },
+    )
+    target_word_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "translators: the same for the decoder's inputs (the labels stay), so that the decoder cannot "
+            "predict from the target history alone"
+        },
+    )
     generation_length_penalty: float = field(
         default=1.0,
         metadata={
@@ -282,6 +296,12 @@ class ZooTrainingArguments(Seq2SeqTrainingArguments):
                 f"training.generation_length_penalty={self.generation_length_penalty} weighs beams by length: set "
                 f"training.generation_num_beams to 2 or more (greedy search has no beams to weigh)."
             )
+        for name in ("source_word_dropout", "target_word_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(
+                    f"training.{name}={getattr(self, name)} is a probability of replacing a token: choose it in "
+                    f"[0, 1) (0.1-0.3 in Sennrich & Zhang 2019)."
+                )
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise UserError(f"training.batch_tokens={self.batch_tokens} must be a positive number of tokens.")
         if self.average_checkpoints < 1:

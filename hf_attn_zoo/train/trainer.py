@@ -101,10 +101,53 @@ class ZooTrainer(Trainer):
         super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
 
 
+def drop_words(tokens: torch.Tensor, rate: float, replacement: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Word dropout (Sennrich & Zhang 2019, after Gal & Ghahramani 2016): each token of `tokens` (B, T) replaced by
+    `replacement` with probability `rate`, except where `keep` (B, T) is True (padding, a decoder's start token).
+    On the decoder's inputs it takes away part of the history the decoder would otherwise predict from alone, so
+    that the source is worth reading; on the source it is regularisation. Drawn from torch's generator, which the
+    Trainer seeds."""
+    if rate <= 0:
+        return tokens
+    dropped = torch.rand(tokens.shape, device=tokens.device) < rate  # (B, T)
+    if keep is not None:
+        dropped &= ~keep
+    return tokens.masked_fill(dropped, replacement)
+
+
 class ZooSeq2SeqTrainer(ZooTrainer, Seq2SeqTrainer):
     """`Seq2SeqTrainer` (evaluation with `generate()` under `predict_with_generate`) with `ZooTrainer`'s fixes: the
     method resolution order puts them first, and their `super()` calls reach `Seq2SeqTrainer`, then `Trainer`. With
-    `training.batch_tokens` it trains on batches of pairs of similar length by token count (`token_batches`)."""
+    `training.batch_tokens` it trains on batches of pairs of similar length by token count (`token_batches`); with
+    `training.source_word_dropout` / `target_word_dropout` its training batches lose words (`drop_words`)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            inputs = self.drop_words(model, inputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def drop_words(self, model, inputs: dict) -> dict:
+        """The training batch `inputs` with source and decoder-input tokens replaced by the pad token at the
+        recipe's rates: the pad token's embedding stands for an unknown word (a byte-level BPE has no unknown
+        token). Padding and the decoder's start token stay; the labels are untouched."""
+        source_rate = getattr(self.args, "source_word_dropout", 0.0)
+        target_rate = getattr(self.args, "target_word_dropout", 0.0)
+        if not source_rate and not target_rate:
+            return inputs
+        config = model.config
+        inputs = dict(inputs)
+        if source_rate:
+            source = inputs["input_ids"]
+            keep = inputs["attention_mask"] == 0 if "attention_mask" in inputs else None
+            inputs["input_ids"] = drop_words(source, source_rate, config.pad_token_id, keep)
+        if target_rate:
+            decoder_inputs = inputs.get("decoder_input_ids")
+            if decoder_inputs is None:  # the model shifts the labels itself: do it here, then drop
+                decoder_inputs = model.prepare_decoder_input_ids_from_labels(labels=inputs["labels"])
+            keep = decoder_inputs == config.pad_token_id
+            keep[:, 0] = True  # the start token: every target begins with it
+            inputs["decoder_input_ids"] = drop_words(decoder_inputs, target_rate, config.pad_token_id, keep)
+        return inputs
 
     def get_train_dataloader(self) -> DataLoader:
         if not getattr(self.args, "batch_tokens", None):
