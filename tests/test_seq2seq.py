@@ -143,3 +143,36 @@ def test_every_case_is_covered():
     for name in set(VARIANTS) - set(ENCODER_VARIANTS):
         with pytest.raises(ValueError, match="no bidirectional form.*is_encoder_decoder=True"):
             tiny_config(name, is_encoder_decoder=True, decoder_start_token_id=START)
+
+
+def test_the_zoo_with_marians_choices_computes_marians_function():
+    """The parity anchor of the encoder-decoder: transformers' `MarianMTModel` and the zoo's MHA encoder-decoder with
+    Marian's layer (post-norm LayerNorm, biases, a SiLU MLP, scaled tokens, sinusoids) and Marian's weights
+    (`experiments/translation/native.py`'s `zoo_twin`) give the same logits and the same greedy translations, once
+    Marian's position tables hold the zoo's sinusoids (the two lay out sines and cosines differently)."""
+    from transformers import MarianConfig, MarianMTModel
+
+    from experiments.translation.native import zoo_twin
+    from hf_attn_zoo.models.positions_zoo import sinusoidal_embedding
+
+    torch.manual_seed(0)
+    config = MarianConfig(
+        vocab_size=VOCAB_SIZE, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_function="swish", scale_embedding=True, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1, forced_eos_token_id=None,
+    )  # fmt: skip
+    marian = MarianMTModel(config).eval()
+    with torch.no_grad():
+        for stack in (marian.model.encoder, marian.model.decoder):
+            table = sinusoidal_embedding(torch.arange(32)[None], 64, torch.float32)[0]  # (positions, d)
+            stack.embed_positions.weight.copy_(table)
+    zoo = zoo_twin(marian).eval()
+    source = torch.randint(3, VOCAB_SIZE, (3, 9))
+    labels = torch.randint(3, VOCAB_SIZE, (3, 7))
+    with torch.no_grad():
+        theirs, ours = marian(input_ids=source, labels=labels), zoo(input_ids=source, labels=labels)
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-5)
+    options = dict(max_new_tokens=8, do_sample=False, num_beams=1, min_length=0)
+    assert torch.equal(zoo.generate(source, **options), marian.generate(source, **options))

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, MarianConfig, MarianMTModel
+from transformers import AutoTokenizer, MarianConfig, MarianMTModel, PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -65,6 +65,81 @@ def marian_like(recipe: str, tokenizer, seed: int = 0) -> MarianMTModel:
     positions = max(data_args.max_source_length, data_args.max_target_length + 1)
     torch.manual_seed(seed)
     return MarianMTModel(marian_config(zoo, 3 * zoo.intermediate_size // 2, positions))
+
+
+# The zoo config fields that make the zoo's MHA encoder-decoder layer Marian's: post-norm LayerNorm (eps 1e-5),
+# biases, a plain SiLU MLP, tokens scaled by sqrt(d_model) beside sinusoids, every Linear initialised at std 0.02
+# (no GPT-2 scaling of the projections into the residual stream).
+MARIAN_CHOICES = {
+    "norm_position": "post",
+    "norm_type": "layernorm",
+    "layer_norm_eps": 1e-5,
+    "attention_bias": True,
+    "mlp_bias": True,
+    "mlp_type": "plain",
+    "hidden_act": "silu",
+    "scale_embedding": True,
+    "position_embedding_type": "sinusoidal",
+    "scale_residual_init": False,
+}
+# Marian's names for the zoo's, inside a layer
+MARIAN_NAMES = {
+    "self_attn.out_proj": "self_attn.o_proj",
+    "encoder_attn.out_proj": "encoder_attn.o_proj",
+    "self_attn_layer_norm": "input_layernorm",
+    "final_layer_norm": "post_attention_layernorm",
+    "fc1": "mlp.up_proj",
+    "fc2": "mlp.down_proj",
+}
+
+
+def zoo_twin(marian: MarianMTModel) -> PreTrainedModel:
+    """The zoo's MHA encoder-decoder with Marian's layer (`MARIAN_CHOICES`), sizes and weights: Marian's function,
+    but for the layout of the sinusoids (Marian's table puts the sines in the first half of the channels, the zoo's
+    interleave sine and cosine) and a final LayerNorm the zoo's stacks end with (weight 1, bias 0, after a layer
+    that already normalised). A Marian whose position tables hold the zoo's sinusoids computes the same logits
+    (tests/test_seq2seq.py); a fresh one trains as Marian does (docs/translation.md measures it)."""
+    from hf_attn_zoo.models import SEQ2SEQ
+
+    config = marian.config
+    if config.encoder_ffn_dim != config.decoder_ffn_dim or config.activation_function not in ("swish", "silu"):
+        raise ValueError(
+            f"the zoo's encoder-decoder has one MLP width and SiLU for both stacks: this Marian has encoder_ffn_dim="
+            f"{config.encoder_ffn_dim}, decoder_ffn_dim={config.decoder_ffn_dim}, activation_function="
+            f"{config.activation_function!r}."
+        )
+    fields = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "num_attention_heads": config.encoder_attention_heads,
+        "num_key_value_heads": config.decoder_attention_heads,
+        "cross_attention_num_key_value_heads": config.decoder_attention_heads,
+        "num_hidden_layers": config.decoder_layers,
+        "encoder_layers": config.encoder_layers,
+        "decoder_layers": config.decoder_layers,
+        "intermediate_size": config.encoder_ffn_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "hidden_dropout": config.dropout,
+        "attention_dropout": config.attention_dropout,
+        "tie_word_embeddings": True,
+        **{name: getattr(config, name) for name in ("pad_token_id", "bos_token_id", "eos_token_id")},
+        "decoder_start_token_id": config.decoder_start_token_id,
+        **MARIAN_CHOICES,
+    }
+    zoo = SEQ2SEQ["mha"].build(None, **fields)
+    weights = {}
+    for name, tensor in marian.state_dict().items():
+        if "embed_positions" in name or name == "final_logits_bias":  # fixed sinusoids; a zero bias
+            continue
+        for theirs, ours in MARIAN_NAMES.items():
+            name = name.replace(theirs, ours)
+        weights[name] = tensor
+    missing, unexpected = zoo.load_state_dict(weights, strict=False)
+    final_norms = {f"model.{stack}.norm.{kind}" for stack in ("encoder", "decoder") for kind in ("weight", "bias")}
+    if set(missing) - final_norms - {"lm_head.weight"} or unexpected:
+        raise ValueError(f"Marian's weights do not map onto the zoo's: missing {missing}, unexpected {unexpected}")
+    zoo.tie_weights()
+    return zoo
 
 
 def main(argv: list[str] | None = None) -> int:
