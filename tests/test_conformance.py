@@ -398,3 +398,27 @@ def test_residual_projections_start_scaled(name):
             assert projection.weight.std().item() == pytest.approx(expected, rel=0.1), (name, scaled)
         if layer.mlp is not None:  # `mlp_type="none"` (Mamba's blocks) has none
             assert layer.mlp.up_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)
+
+
+def test_residual_scaling_defaults_to_the_norms_position():
+    """Unset, `scale_residual_init` is on with pre-norm and off with post-norm (a branch's write is normalised with
+    the stream after it, and the scaling only shrinks it: a post-norm translator then never read its source); saved
+    explicitly, so a checkpoint keeps the init it was built with."""
+    variant = VARIANTS["mha"]
+    assert variant.config("tiny").scale_residual_init is True
+    assert variant.config("tiny", norm_position="post").scale_residual_init is False
+    assert variant.config("tiny", norm_position="post", scale_residual_init=True).scale_residual_init is True
+    assert variant.config("tiny", norm_position="post").to_dict()["scale_residual_init"] is False
+
+
+def test_scaled_token_embeddings_start_at_embed_init_std():
+    """`embed_init_std` (Marian's 0.02) replaces the scaled tokens' default init std 1/sqrt(d); without
+    `scale_embedding` it is refused, naming the field to set."""
+    torch.manual_seed(0)
+    variant = VARIANTS["mha"]
+    for std, expected in ((None, 64**-0.5), (0.02, 0.02)):
+        config = variant.config("tiny", vocab_size=512, scale_embedding=True, embed_init_std=std)  # 64 wide
+        weight = variant.causal_lm_class(config).get_input_embeddings().weight
+        assert weight.std().item() == pytest.approx(expected, rel=0.05)
+    with pytest.raises(ValueError, match=r"embed_init_std=0\.02 .*set scale_embedding=True"):
+        variant.config("tiny", embed_init_std=0.02)

@@ -68,8 +68,8 @@ def marian_like(recipe: str, tokenizer, seed: int = 0) -> MarianMTModel:
 
 
 # The zoo config fields that make the zoo's MHA encoder-decoder layer Marian's: post-norm LayerNorm (eps 1e-5),
-# biases, a plain SiLU MLP, tokens scaled by sqrt(d_model) beside sinusoids, every Linear initialised at std 0.02
-# (no GPT-2 scaling of the projections into the residual stream).
+# biases, a plain SiLU MLP, tokens scaled by sqrt(d_model) beside sinusoids, the tokens and every Linear initialised
+# at std 0.02 (no GPT-2 scaling of the projections into the residual stream).
 MARIAN_CHOICES = {
     "norm_position": "post",
     "norm_type": "layernorm",
@@ -79,6 +79,7 @@ MARIAN_CHOICES = {
     "mlp_type": "plain",
     "hidden_act": "silu",
     "scale_embedding": True,
+    "embed_init_std": 0.02,
     "position_embedding_type": "sinusoidal",
     "scale_residual_init": False,
 }

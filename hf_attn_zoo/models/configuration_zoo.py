@@ -92,13 +92,19 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             at std 1/sqrt(hidden_size) (Vaswani et al. 2017 with fairseq's and tensor2tensor's init: tokens enter at
             RMS 1). Off by default, with every position type: the rest of the model is initialised at std
             `initializer_range` (GPT-2), and a residual stream of RMS 1 left its layers' outputs 1% of it.
+        embed_init_std (`float`, *optional*): the scaled token embeddings' initial std instead of 1/sqrt(hidden_size)
+            (only with `scale_embedding`; unscaled ones start at `initializer_range`). Marian's is 0.02: tokens enter
+            at RMS 0.02·sqrt(d), and a post-norm encoder-decoder read its source only so (docs/translation.md).
         sinusoid_amplitude (`float`, *optional*): amplitude of `sinusoidal` positions. Defaults to 1 beside scaled
             token embeddings (Vaswani et al.: both at RMS about 1) and to `initializer_range * sqrt(2) / 4` beside
             unscaled ones: positions at a quarter of the token embeddings' RMS (docs/studies/quality.md measures 1,
             the tokens' RMS and a quarter of it).
         initializer_range (`float`): standard deviation of the normal initialisation.
-        scale_residual_init (`bool`): GPT-2's scaled init, std / sqrt(2L) for the projections that write into the
-            residual stream (`o_proj`, `down_proj`).
+        scale_residual_init (`bool`, *optional*): GPT-2's scaled init, std / sqrt(2L) for the projections that write
+            into the residual stream (`o_proj`, `down_proj`). Defaults to True with pre-norm, where it keeps the
+            stream's variance from growing with depth, and to False with post-norm, where the stream is normalised
+            after every branch and the scaling only shrinks each branch against it: a post-norm encoder-decoder
+            with it did not learn to read its source (docs/translation.md, "Does the Transformer read its source?").
         rms_norm_eps (`float`): epsilon of RMSNorm.
         layer_norm_eps (`float`): epsilon of LayerNorm.
         attention_bias (`bool`): bias on the q/k/v/o projections.
@@ -167,8 +173,9 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
     rope_parameters: dict | None = None
     scale_embedding: bool | None = None
     sinusoid_amplitude: float | None = None
+    embed_init_std: float | None = None
     initializer_range: float = 0.02
-    scale_residual_init: bool = True
+    scale_residual_init: bool | None = None
     rms_norm_eps: float = 1e-6
     layer_norm_eps: float = 1e-5
     use_cache: bool = True
@@ -214,6 +221,8 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             self.cross_attention_additive_dim = self.head_dim
         # saved explicitly, so that a checkpoint computes what it was trained as whatever later defaults become
         self.scale_embedding = bool(self.scale_embedding)
+        if self.scale_residual_init is None:
+            self.scale_residual_init = self.norm_position != "post"
         if self.sinusoid_amplitude is None and self.position_embedding_type == "sinusoidal":
             # beside unscaled tokens, at a quarter of their RMS: at their full RMS the fixed signal still cost a
             # 4 x 128 model 34% of perplexity after 100 steps, at a quarter 2% (docs/studies/quality.md)
@@ -299,6 +308,15 @@ class ZooConfig(PresetConfig, ZooConfigBase):  # transformers' PreTrainedConfig 
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}.")
+        if self.embed_init_std is not None:
+            if not isinstance(self.embed_init_std, (int, float)) or self.embed_init_std <= 0:
+                raise ValueError(f"embed_init_std must be a positive number (or unset), got {self.embed_init_std!r}.")
+            if not self.scale_embedding:
+                raise ValueError(
+                    f"embed_init_std={self.embed_init_std} sets the init of scaled token embeddings: set "
+                    f"scale_embedding=True, or leave it unset (unscaled tokens start at initializer_range="
+                    f"{self.initializer_range})."
+                )
 
     @property
     def has_cross_attention(self) -> bool:

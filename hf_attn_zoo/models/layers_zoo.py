@@ -54,7 +54,8 @@ class ZooScaledEmbedding(nn.Embedding):
     RMS 1, beside sinusoids of RMS 1/sqrt(2), whatever the width. The scale alone, on embeddings initialised at
     `initializer_range` (0.02), gives tokens of RMS 0.02·sqrt(d), 0.23 at d = 128: the positions outweigh them 3 to
     1 and the model trains to twice the perplexity (docs/studies/quality.md measures it). The scale lives in the
-    module, so `get_input_embeddings()(input_ids)` passed as `inputs_embeds` equals passing `input_ids`."""
+    module, so `get_input_embeddings()(input_ids)` passed as `inputs_embeds` equals passing `input_ids`.
+    `config.embed_init_std` replaces the init's std (Marian's 0.02: tokens at RMS 0.02·sqrt(d))."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_idx)
@@ -64,7 +65,8 @@ class ZooScaledEmbedding(nn.Embedding):
         return super().forward(input_ids) * self.embed_scale
 
     def init_parameters(self, config) -> None:
-        init.normal_(self.weight, mean=0.0, std=self.embedding_dim**-0.5)
+        std = config.embed_init_std if getattr(config, "embed_init_std", None) else self.embedding_dim**-0.5
+        init.normal_(self.weight, mean=0.0, std=std)
         if self.padding_idx is not None:
             init.zeros_(self.weight[self.padding_idx])
 
