@@ -271,6 +271,13 @@ class ConvertOptions:
     topk: int | None = field(
         default=None, metadata={"help": "--distill: precompute the parent's top-k once instead of running it"}
     )
+    lora_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "--distill: train the MLPs only through LoRA updates of this rank (merged into the saved model), "
+            "the embeddings and head frozen, the converted attention in full"
+        },
+    )
     learning_rate: float = field(
         default=5e-4,
         metadata={"help": "--distill: peak learning rate (cosine, warming up over the first twentieth of the steps)"},

@@ -332,6 +332,7 @@ def convert_command(options: ConvertOptions) -> Path:
         details["distillation"] = (
             f"{distillation['train_tokens']:,} tokens at T={options.temperature}, alpha={options.alpha} from "
             f"{options.src} ({'top-' + str(options.topk) if options.topk else 'run alongside'})"
+            + (f", the MLPs through LoRA of rank {options.lora_rank}" if options.lora_rank is not None else "")
         )
         if held_out:
             scores["distilled"] = held_out_perplexity(converted, tokenizer, held_out, options)
@@ -390,6 +391,11 @@ def transfer_data(options: ConvertOptions) -> list[str]:
         return []
     if not options.data:
         raise UserError("--transfer and --distill need --data FILE...: text to learn the parent's behaviour on.")
+    if options.lora_rank is not None and (not options.distill or options.lora_rank < 1):
+        raise UserError(
+            f"--lora_rank {options.lora_rank} adapts the MLPs while --distill trains: give a positive rank with "
+            f"--distill, or leave --lora_rank out."
+        )
     if options.distill and (options.temperature <= 0 or not 0 <= options.alpha <= 1):
         raise UserError(f"--temperature {options.temperature} must be > 0 and --alpha {options.alpha} in [0, 1].")
     if options.distill and not options.eval_data and len(options_data_files(options)) < 2:
@@ -483,6 +489,7 @@ def run_distillation(options: ConvertOptions, converted, tokenizer) -> tuple:
             temperature=options.temperature,
             alpha=options.alpha,
             teacher_topk=options.topk,
+            lora_rank=options.lora_rank,
         )
         data_args = DataArguments(
             train_files=list(options.data),
@@ -507,6 +514,7 @@ def run_distillation(options: ConvertOptions, converted, tokenizer) -> tuple:
         summary = run_training(model_args, data_args, training_args)
         distilled = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
     keep = ("steps", "train_tokens", "seconds", "tokens_per_second", "losses", "validation_perplexity")
+    keep += ("lora_rank", "trainable_parameters") if options.lora_rank is not None else ()
     return distilled, {key: summary[key] for key in keep}
 
 

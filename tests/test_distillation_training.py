@@ -71,3 +71,32 @@ def test_distillation_settings_that_cannot_work_are_refused(parent, tmp_path):
     ]
     with pytest.raises(UserError, match=r"teacher predicts 300 tokens, the student 512"):
         run(tmp_path / "mismatch", *overrides, *STEPS)
+
+
+def test_lora_on_the_mlps_changes_them_by_a_low_rank_update_and_trains_the_attention_in_full(parent, tmp_path):
+    """`convert.lora_rank` 2: the MQA conversion distils with each MLP projection trained through a rank-2 update,
+    merged into the saved model (a plain checkpoint, every weight under its own name); the final MLP weights differ
+    from the parent's by a matrix of rank at most 2, the embeddings are the parent's, the attention moved freely."""
+    import torch
+    from safetensors.torch import load_file
+
+    overrides = ["--model.init_from", str(parent), "--convert.num_key_value_heads", "1", "--convert.distill", "true"]
+    summary = run(tmp_path, *overrides, "--convert.lora_rank", "2", *STEPS, "--training.learning_rate", "1e-2")
+    assert summary["lora_rank"] == 2 and summary["trainable_parameters"] < summary["parameters"]
+    before = load_file(str(parent / "model.safetensors"))
+    after = load_file(str(Path(summary["final_model"]) / "model.safetensors"))
+    assert not any("lora" in name or "parametrizations" in name for name in after)
+    name = "model.layers.0.mlp.up_proj.weight"
+    delta = (after[name] - before[name]).double()
+    singular = torch.linalg.svdvals(delta)
+    assert singular[0] > 1e-4 and singular[2] < 1e-6 * singular[0]  # moved, by rank 2
+    assert torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    # the key projection, mean-pooled from the parent's 2 heads to 1, trained in full: its change is of full rank
+    key = "model.layers.0.self_attn.k_proj.weight"
+    pooled = before[key].view(2, -1, before[key].shape[-1]).mean(0)  # (G*hd, d) -> (G, hd, d) -> (hd, d)
+    change = torch.linalg.svdvals((after[key] - pooled).double())
+    assert change[0] > 1e-4 and change[4] > 1e-6 * change[0]
+    with pytest.raises(UserError, match=r"convert\.lora_rank=0 must be a positive rank"):
+        load_recipe(TINY, ["--training.output_dir", str(tmp_path / "bad"), "--convert.lora_rank", "0"])
+    with pytest.raises(UserError, match=r"convert\.lora_rank converts a checkpoint: set model\.init_from"):
+        load_recipe(TINY, ["--training.output_dir", str(tmp_path / "bad"), "--convert.lora_rank", "4"])

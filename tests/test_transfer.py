@@ -211,6 +211,7 @@ def test_convert_transfer_and_distill_in_one_command(tmp_path, texts, capsys):
         (["--distill", "--data", "{train}"], "give --eval_data"),
         (["--distill", "--data", "{train}", "--alpha", "2", "--eval_data", "{train}"], "--alpha 2.0 in [0, 1]"),
         (["--data", "{train}"], "add one, or leave --data out"),
+        (["--transfer", "--data", "{train}", "--lora_rank", "4"], "--lora_rank 4 adapts the MLPs while --distill"),
         (["--transfer", "--data", "{empty}"], "is empty"),
         (["--transfer", "--data", "{train}", "--eval_data", "{empty}"], "is empty"),
         (["--transfer", "--data", "{train}", "--tokens", "10"], "too little to learn from"),

@@ -69,6 +69,13 @@ class ConversionArguments:
     )
     temperature: float = field(default=1.0, metadata={"help": "distillation temperature (the loss is scaled by T²)"})
     alpha: float = field(default=0.0, metadata={"help": "weight of the labels' cross-entropy beside the KL (0 to 1)"})
+    lora_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "train the MLP projections only through LoRA updates of this rank (merged at the end), the "
+            "embeddings and output head frozen, the converted attention and the norms in full (hf_attn_zoo.train.lora)"
+        },
+    )
     teacher_topk: int | None = field(
         default=None,
         metadata={
@@ -78,6 +85,8 @@ class ConversionArguments:
     )
 
     def __post_init__(self) -> None:
+        if self.lora_rank is not None and (not isinstance(self.lora_rank, int) or self.lora_rank < 1):
+            raise UserError(f"convert.lora_rank={self.lora_rank} must be a positive rank (8 or 16 is usual).")
         if self.method not in POOLING_METHODS:
             raise UserError(f"convert.method={self.method!r}: use one of {POOLING_METHODS}.")
         if self.temperature <= 0 or not 0 <= self.alpha <= 1:
@@ -93,7 +102,7 @@ class ConversionArguments:
         """Converting and uptraining act on a parent checkpoint: refused without `model.init_from`; distilling needs
         a teacher (`convert.teacher`, or the parent)."""
         if init_from is None:
-            for name in ("num_key_value_heads", "uptrain_fraction"):
+            for name in ("num_key_value_heads", "uptrain_fraction", "lora_rank"):
                 if getattr(self, name) is not None:
                     raise UserError(f"convert.{name} converts a checkpoint: set model.init_from to the parent.")
             if self.distill and self.teacher is None:

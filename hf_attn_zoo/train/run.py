@@ -33,6 +33,7 @@ from ..data import DataArguments
 from ..errors import UserError
 from .build import parameter_count
 from .callbacks import MemoryCallback, run_callbacks, throughput_first
+from .lora import add_mlp_lora, merge_lora
 from .recipe import SECTIONS, ModelArguments, ZooTrainingArguments, load_recipe
 from .tasks import Prepared, task_for
 from .trainer import average_last_checkpoints, checkpoint_step, resolve_resume
@@ -148,6 +149,10 @@ def run_training(
     prepared = prepare_on_every_process(task.prepare, data_args, training_args)
     check_validation_fills_a_batch(len(prepared.validation), data_args, training_args)
     model = task.build(model_args, data_args, prepared)
+    lora = {}
+    if model_args.conversion.lora_rank is not None:
+        trainable = add_mlp_lora(model, model_args.conversion.lora_rank)
+        lora = {"lora_rank": model_args.conversion.lora_rank, "trainable_parameters": trainable}
     task.configure(model, prepared, data_args, training_args)
     tokens_per_step = task.tokens_per_step(prepared, data_args, training_args)
     flops_per_token = task.flops_per_token(model, data_args)
@@ -172,6 +177,8 @@ def run_training(
     averaged = []
     if training_args.average_checkpoints > 1:
         averaged = [path.name for path in average_last_checkpoints(trainer, training_args.average_checkpoints)]
+    if model_args.conversion.lora_rank is not None:
+        merge_lora(model)  # the final model is a plain checkpoint
     scores = task.scores(trainer, final_evaluation(trainer, changed=bool(averaged)), prepared, model_args, data_args)
     steps = trainer.state.global_step
     summary = {
@@ -192,6 +199,7 @@ def run_training(
         ],
         **scores,
         **({"averaged_checkpoints": averaged} if averaged else {}),
+        **lora,
         "memory_per_process": sorted(memory_per_process, key=lambda entry: entry["rank"]),
         "final_model": str(output_dir / "final"),
         **task.outputs(output_dir, prepared, write=training_args.process_index == 0),
