@@ -306,6 +306,7 @@ def main() -> None:
         "config": json.loads(args.config),
         "embedding_std": args.embedding_std,
         "target_word_dropout": args.target_word_dropout,
+        "learning_rate": args.learning_rate,
         "seed": args.seed,
         "steps": args.steps,
         "parameters": sum(p.numel() for p in model.parameters()),
