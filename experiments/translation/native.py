@@ -4,10 +4,10 @@ so that the control trains by the same recipe (data, batches, schedule, label sm
 and `hf-attn-zoo translate-eval` scores it as it scores the zoo's model.
 
 The sizes come from the recipe's zoo config: `d_model` its width, its encoder and decoder layers and heads, dropout
-and attention dropout its `hidden_dropout` and `attention_dropout`, and an MLP of 1.5 times the zoo's gated width, so
-that Marian's two matrices hold as many weights as the gated MLP's three. The rest is Marian's own: post-norm
-LayerNorm, biases, token embeddings scaled by sqrt(d_model), sinusoidal positions, a SiLU ("swish") MLP, one
-embedding shared by encoder, decoder and output. The tokenizer is the zoo run's (`<run>/tokenizer`), so both models
+and attention dropout its `hidden_dropout` and `attention_dropout`, and the zoo's MLP width (1.5 times it when the
+zoo's MLP is gated, so that Marian's two matrices hold as many weights as the gated MLP's three). The rest is
+Marian's own: post-norm LayerNorm, biases, token embeddings scaled by sqrt(d_model), sinusoidal positions, a SiLU
+("swish") MLP, one embedding shared by encoder, decoder and output. The tokenizer is the zoo run's (`<run>/tokenizer`), so both models
 read the same token ids.
 
     python experiments/translation/native.py configs/train/bible_en_es_transformer.yaml \
@@ -58,13 +58,15 @@ def marian_config(zoo, ffn_dim: int, max_position_embeddings: int) -> MarianConf
 
 def marian_like(recipe: str, tokenizer, seed: int = 0) -> MarianMTModel:
     """A fresh `MarianMTModel` of the zoo config `recipe` builds, with `tokenizer`'s vocabulary and special tokens,
-    its MLP 1.5 times the zoo's gated width (as many weights)."""
+    its MLP the zoo's plain width, or 1.5 times a gated one's (as many weights)."""
     model_args, data_args, _ = load_recipe(recipe)
     zoo = model_args.seq2seq_config(**tokenizer_fields(tokenizer), decoder_start_token_id=tokenizer.bos_token_id)
     # the encoder reads max_source_length tokens, the decoder max_target_length + 1 (its start token)
     positions = max(data_args.max_source_length, data_args.max_target_length + 1)
+    # a plain MLP is Marian's own: the same width; a gated one's three matrices hold as many weights as two 1.5x wide
+    width = zoo.intermediate_size if zoo.mlp_type == "plain" else 3 * zoo.intermediate_size // 2
     torch.manual_seed(seed)
-    return MarianMTModel(marian_config(zoo, 3 * zoo.intermediate_size // 2, positions))
+    return MarianMTModel(marian_config(zoo, width, positions))
 
 
 # The zoo config fields that make the zoo's MHA encoder-decoder layer Marian's: post-norm LayerNorm (eps 1e-5),
