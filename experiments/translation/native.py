@@ -7,8 +7,8 @@ The sizes come from the recipe's zoo config: `d_model` its width, its encoder an
 and attention dropout its `hidden_dropout` and `attention_dropout`, and the zoo's MLP width (1.5 times it when the
 zoo's MLP is gated, so that Marian's two matrices hold as many weights as the gated MLP's three). The rest is
 Marian's own: post-norm LayerNorm, biases, token embeddings scaled by sqrt(d_model), sinusoidal positions, a SiLU
-("swish") MLP, one embedding shared by encoder, decoder and output. The tokenizer is the zoo run's (`<run>/tokenizer`), so both models
-read the same token ids.
+("swish") MLP, one embedding shared by encoder, decoder and output. The tokenizer is the zoo run's
+(`<run>/tokenizer`), so both models read the same token ids.
 
     python experiments/translation/native.py configs/train/bible_en_es_transformer.yaml \
         runs/bible_en_es_transformer/tokenizer runs/bible_en_es_marian_init
