@@ -196,7 +196,8 @@ def precompute_teacher_topk(
             logits = teacher(input_ids=input_ids, use_cache=False).logits  # (b, T, V)
             columns = teacher_topk(logits, k, temperature)
             for column, values in columns.items():
-                out[column] += values.cpu().tolist()
+                # arrays, not Python lists: datasets writes them to Arrow without boxing every float
+                out[column] += list(values.cpu().numpy())
             out[TEMPERATURE] += [float(temperature)] * len(group)
         if progress is not None:
             progress(len(sequences))
