@@ -159,6 +159,11 @@ def test_the_hour_report_reads_what_train_and_translate_eval_wrote(trained, tmp_
     report = (tmp_path / "report" / "hour.md").read_text()
     picked = [index * len(pairs) // 10 for index in range(10)]
     assert report.count("- reference: ") == 10 and picked[0] == 0
+    # the curve by step: one column per evaluated step, the run's validation BLEU under it
+    by_step = report.split("at each evaluation, by step:")[1].splitlines()
+    header, row = by_step[2], next(line for line in by_step if line.startswith("| tiny_rnn |"))
+    assert header == "| recipe | " + " | ".join(f"{point['step']:,}" for point in numbers["curve"]) + " |"
+    assert row == "| tiny_rnn | " + " | ".join(f"{point['bleu']:.1f}" for point in numbers["curve"]) + " |"
     for index in picked:
         assert f"- reference: {pairs[index]['target']}" in report
         assert f"- tiny_rnn: {scores['translations'][index]}" in report

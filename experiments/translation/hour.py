@@ -85,6 +85,8 @@ def markdown(runs: list[dict]) -> str:
         f"Test: {runs[0]['test']['pairs']} verses, beam {runs[0]['test']['num_beams']}; "
         f"`{runs[0]['test']['bleu_signature']}`.",
         "",
+        *curve_table(runs),
+        "",
     ]
     pairs = runs[0]["pairs"]
     for index in picked(len(pairs)):
@@ -95,6 +97,22 @@ def markdown(runs: list[dict]) -> str:
         lines += [f"- {run['name']}: {run['translations'][index]}" for run in runs]
         lines.append("")
     return "\n".join(lines)
+
+
+def curve_table(runs: list[dict]) -> list[str]:
+    """Validation BLEU at each evaluated step, one row per run (a step a run did not evaluate: blank), so that
+    runs compare at equal steps as well as at equal minutes."""
+    steps = sorted({point["step"] for run in runs for point in run["curve"]})
+    lines = [
+        "Validation BLEU (greedy) at each evaluation, by step:",
+        "",
+        "| recipe | " + " | ".join(f"{step:,}" for step in steps) + " |",
+        "|---|" + "---:|" * len(steps),
+    ]
+    for run in runs:
+        at = {point["step"]: point["bleu"] for point in run["curve"]}
+        lines.append(f"| {run['name']} | " + " | ".join(f"{at[s]:.1f}" if s in at else "" for s in steps) + " |")
+    return lines
 
 
 def plot(runs: list[dict], path: Path) -> bool:
