@@ -126,7 +126,7 @@ def export_card(config, target: str, source: str, extra: str = "") -> str:
     import yaml
 
     from .cards import card_metadata
-    from .serving import VLLM_NATIVE_MISMATCHES
+    from .serving import VLLM_CPU_GAPS, VLLM_NATIVE_MISMATCHES
 
     native = target != "gguf"
     metadata = card_metadata(config, tags=[target, "hf-attn-zoo-export"])
@@ -144,6 +144,8 @@ def export_card(config, target: str, source: str, extra: str = "") -> str:
             (
                 f"Not for vLLM: {VLLM_NATIVE_MISMATCHES[target]}; serve it with transformers."
                 if target in VLLM_NATIVE_MISMATCHES  # a format's name is its model_type
+                else f"Not for vLLM on CPUs: {VLLM_CPU_GAPS[target]}; on CPUs serve it with transformers."
+                if target in VLLM_CPU_GAPS
                 else f"vLLM (`vllm serve PATH`), TGI and SGLang load it as they load any other {target} checkpoint."
             ),
         ]

