@@ -58,6 +58,10 @@ def test_every_shipped_recipe_loads_and_builds_its_model(recipe, tmp_path):
         model_args, data_args, training_args = load_recipe(recipe, [*overrides, "--model.init_from", built])
         model = build_seq2seq_model(model_args, AutoTokenizer.from_pretrained(built), data_args.max_source_length)
         assert type(model).__name__ == "MarianMTModel" and model.config.is_encoder_decoder
+        # its sinusoid tables are fixed and not saved: loaded, they must stay out of training (from_pretrained hands
+        # them back trainable)
+        positions = [p for name, p in model.named_parameters() if "embed_positions" in name]
+        assert len(positions) == 2 and not any(p.requires_grad for p in positions)
         assert training_args.report_to == ["tensorboard"]
         return
     model_args, data_args, training_args = load_recipe(recipe, overrides)

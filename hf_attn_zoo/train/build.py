@@ -121,6 +121,21 @@ def _round_up(value: float, digits: int = 2) -> float:
     return round(math.ceil(value / scale) * scale, 12)
 
 
+def freeze_fixed_positions(model) -> list[str]:
+    """Freeze the fixed sinusoid tables of transformers' BART-family translators (`MarianSinusoidalPositionalEmbedding`
+    and its kin). A fresh model builds them frozen, but `from_pretrained` hands them back trainable (transformers
+    5.24), and they are not saved: trained, the saved model would read other positions than the one that was
+    evaluated (measured on the Bible recipe's Marian control, docs/translation.md). Returns the names frozen."""
+    frozen = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("SinusoidalPositionalEmbedding"):
+            for parameter_name, parameter in module.named_parameters():
+                if parameter.requires_grad:
+                    parameter.requires_grad_(False)
+                    frozen.append(f"{name}.{parameter_name}")
+    return frozen
+
+
 def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length: int):
     """The translator to train: from `init_from`, or fresh from `ModelArguments.seq2seq_config` with the tokenizer's
     vocabulary and special tokens (the decoder starts from BOS, as the tokenizer's texts end with EOS). A source
@@ -134,6 +149,7 @@ def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length
     kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     if model_args.init_from is not None:
         model = AutoModelForSeq2SeqLM.from_pretrained(model_args.source, **kwargs)
+        freeze_fixed_positions(model)
         if len(tokenizer) > model.config.vocab_size:
             raise UserError(
                 f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "
