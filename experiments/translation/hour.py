@@ -101,7 +101,8 @@ def markdown(runs: list[dict]) -> str:
 
 def curve_table(runs: list[dict]) -> list[str]:
     """Validation BLEU at each evaluated step, one row per run (a step a run did not evaluate: blank), so that
-    runs compare at equal steps as well as at equal minutes."""
+    runs compare at equal steps as well as at equal minutes; the weights of that step, where the final model (the
+    table's validation BLEU) averaged checkpoints."""
     steps = sorted({point["step"] for run in runs for point in run["curve"]})
     lines = [
         "Validation BLEU (greedy) at each evaluation, by step:",
@@ -110,7 +111,9 @@ def curve_table(runs: list[dict]) -> list[str]:
         "|---|" + "---:|" * len(steps),
     ]
     for run in runs:
-        at = {point["step"]: point["bleu"] for point in run["curve"]}
+        at = {}
+        for point in run["curve"]:  # the Trainer's evaluation of a step's weights, not the averaged final's
+            at.setdefault(point["step"], point["bleu"])
         lines.append(f"| {run['name']} | " + " | ".join(f"{at[s]:.1f}" if s in at else "" for s in steps) + " |")
     return lines
 
