@@ -22,10 +22,7 @@ def test_the_page_table_is_rendered_from_the_recorded_results():
 KNOWN_FAILURES: set[tuple[str, str]] = set()  # none today: vLLM's DeepseekV3 on the MLA export is refused up front
 
 # (client, variant) cells no run has recorded yet, each with why: the table says "not tested" there
-NOT_TESTED: dict[tuple[str, str], str] = {
-    ("vllm-native", "mamba"): "vLLM's own MambaForCausalLM on the native export needs the vLLM venv "
-    "(tests/test_vllm.py -m slow -k mamba), which no run has built since zoo_mamba landed",
-}
+NOT_TESTED: dict[tuple[str, str], str] = {}
 
 
 def test_every_client_has_an_answer_for_every_variant():
