@@ -1,8 +1,8 @@
 """LoRA (Hu et al. 2021) on the non-attention weights of a converted model (`convert.lora_rank`): while a
 conversion is uptrained or distilled, the new attention trains in full and each MLP projection only through a
-low-rank update `W + (alpha / r)·B·A` (B starts at zero, so training starts from the parent's function); the token
-embeddings and the output head stay frozen, the norms train. At the end the updates are merged into the weights: the
-saved model is a plain zoo checkpoint.
+low-rank update `W + (alpha / r)·B·A` (B starts at zero, so training starts from the parent's function); the MLPs'
+biases, the token embeddings and the output head stay frozen, the norms train. At the end the updates are merged into
+the weights: the saved model is a plain zoo checkpoint.
 
 The update is a `torch.nn.utils.parametrize` parametrization of the projection's weight rather than a PEFT wrapper:
 the model keeps its class and one state-dict layout from the first checkpoint to the last, so that resuming and
@@ -51,8 +51,9 @@ def mlp_projections(model: nn.Module) -> list[nn.Linear]:
 
 
 def add_mlp_lora(model: nn.Module, rank: int, alpha: float | None = None) -> int:
-    """Freeze `model`'s MLP weights, token embeddings and output head, and give every MLP projection a rank-`rank`
-    update (`alpha` defaults to 2·rank, PEFT's common choice). Returns the number of trainable parameters."""
+    """Freeze `model`'s MLP weights and biases, token embeddings and output head, and give every MLP projection a
+    rank-`rank` update (`alpha` defaults to 2·rank, PEFT's common choice). Returns the number of trainable
+    parameters."""
     projections = mlp_projections(model)
     if not projections:
         raise UserError(
