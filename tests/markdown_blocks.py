@@ -69,8 +69,10 @@ def recipe_paths(text: str) -> list[tuple[int, str, list[str]]]:
     found = []
     for line, words in shell_commands(text):
         recipes = [i for i, word in enumerate(words) if word.startswith("configs/train") or "configs/uptrain" in word]
+        # a script of experiments/ reads a recipe as one of its positional arguments, not followed by overrides
+        script = words[0].startswith("python") and len(words) > 1 and words[1].startswith("experiments/")
         for i in recipes:
-            found.append((line, words[i], [w for w in words[i + 1 :] if not w.startswith("[")]))
+            found.append((line, words[i], [] if script else [w for w in words[i + 1 :] if not w.startswith("[")]))
     return found
 
 
