@@ -13,6 +13,7 @@ benchmark's figures from the results file in `--output_dir` (its `<stem>.json`) 
 tables and JSON stay as they are.
 """
 
+import fcntl
 import json
 import statistics
 import sys
@@ -218,9 +219,21 @@ class Board:
         return any(row["cell"] == cell.name and "error" not in row for row in self.rows)
 
     def record(self, row: dict) -> None:
-        self.rows = [r for r in self.rows if r["cell"] != row["cell"]] + [row]
+        """Add (or replace) `row` and rewrite board.json. Under a lock, the rows another process on the same folder
+        recorded since this one read the file are kept: two runs of one board on disjoint cells (`--seeds 0 1` and
+        `--seeds 2`, one per core) share its board.json without dropping each other's rows."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")
+        with open(self.folder / "board.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            merged = {r["cell"]: r for r in self.rows}
+            if self.path.is_file():
+                for stored in json.loads(self.path.read_text())["rows"]:
+                    mine = merged.get(stored["cell"])
+                    if mine is None or ("error" in mine and "error" not in stored):
+                        merged[stored["cell"]] = stored
+            merged.pop(row["cell"], None)
+            self.rows = [*merged.values(), row]
+            write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")
 
     def run(
         self,

@@ -158,3 +158,31 @@ def test_seq2seq_writes_ratios_cache_bytes_and_the_matched_rnn(tmp_path):
     table = (tmp_path / "seq2seq.md").read_text()
     assert "| zoo / T5 | zoo / BART |" in table and "relative position bias" in table and "RoPE" in table
     assert "| of matmul peak |" in table
+
+
+def test_two_runs_of_one_board_on_disjoint_cells_keep_each_others_rows(tmp_path):
+    """Two processes (one per core) on one board folder: each records its cells without dropping the other's, and a
+    finished row recorded elsewhere replaces this run's error row for the same cell."""
+    from experiments.common import Board
+
+    class Setup:
+        output_dir = str(tmp_path)
+
+        def defining(self) -> dict:
+            return {"budget": 1}
+
+    first, second = Board(Setup()), Board(Setup())  # both read the folder before either recorded anything
+    first.record({"cell": "a-seed0", "value": 1})
+    second.record({"cell": "a-seed2", "error": "RuntimeError: stopped"})
+    first.record({"cell": "a-seed1", "value": 2})
+    first.record({"cell": "a-seed2", "value": 3})
+    second.record({"cell": "b-seed0", "value": 4})
+    stored = json.loads((tmp_path / "board.json").read_text())
+    assert stored["defining"] == {"budget": 1}
+    assert {row["cell"]: row.get("value") for row in stored["rows"]} == {
+        "a-seed0": 1,
+        "a-seed1": 2,
+        "a-seed2": 3,
+        "b-seed0": 4,
+    }
+    assert Board(Setup()).finished(type("Cell", (), {"name": "a-seed2"})())
