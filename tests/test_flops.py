@@ -73,10 +73,11 @@ UNSEEN_ELEMENTWISE = {
     "additive": lambda config: 2 * config.num_attention_heads * config.additive_dim * LENGTH,
     # AFT-simple is running sums only: nothing the counter sees
     "aft_simple": lambda config: 5 * config.hidden_size,
-    # Mamba: the counter sees the depthwise convolution (2·D·k); the scan, the skip and the gate are elementwise
+    # Mamba: the counter sees the depthwise convolution (2·D·k) and the read C_t h_t (a batched product, 2·D·N); the
+    # rest of the scan, the skip and the gate are elementwise
     "mamba": lambda config: (
         VARIANTS["mamba"].attention_class.mixing_flops_per_token(config, LENGTH)
-        - 2 * config.intermediate_size * config.conv_kernel
+        - 2 * config.intermediate_size * (config.conv_kernel + config.state_size)
     ),
 }
 
