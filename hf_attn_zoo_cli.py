@@ -208,6 +208,8 @@ class ConvertOptions:
         "topk",
         "additive",
         "differential",
+        "linear",
+        "bigbird",
     ] = field(
         metadata={
             "help": "gqa/mqa: key/value heads pooled; mla: a latent and a shared RoPE key per token (DeepSeek-V2); "

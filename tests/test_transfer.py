@@ -27,6 +27,9 @@ TARGETS = {
     "topk": dict(topk=3),
     "additive": dict(additive_dim=8),
     "differential": {},
+    "linear": {},
+    # 8 blocks of 2 tokens, each query block reading 5 of them: sparser than the parent's full attention
+    "bigbird": dict(attention_block_size=2, num_global_blocks=1, num_random_blocks=1),
 }
 
 
@@ -102,6 +105,25 @@ def test_every_target_converts_and_transfers(target):
     assert logits.shape == (2, 16, VOCAB_SIZE) and torch.isfinite(logits).all()
 
 
+def test_the_command_offers_every_variant_an_attention_converts_to():
+    """`hf-attn-zoo convert --to` lists exactly the registered variants a conversion builds from an MHA parent:
+    every one but Mamba (its class takes nothing of an attention) and one head as wide as the model."""
+    import typing
+
+    from hf_attn_zoo.models import VARIANTS
+    from hf_attn_zoo_cli import ConvertOptions
+
+    def converts(name: str) -> bool:
+        try:
+            convert_attention(tiny_model("mha"), name, **TARGETS.get(name, {}))
+        except ValueError:
+            return False
+        return True
+
+    offered = set(typing.get_args(typing.get_type_hints(ConvertOptions)["to"]))
+    assert offered == {name for name in VARIANTS if converts(name)} == set(TARGETS) | {"mha"}
+
+
 def test_what_each_variant_copies_is_read_off_its_class():
     parent = tiny_model("gqa")
     assert convert_attention(parent, "sliding_window", sliding_window=4).copied == (
@@ -142,6 +164,8 @@ def test_one_layer_at_a_time():
         ("gqa", "mla", {}, "needs kv_lora_rank"),
         ("gqa", "sliding_window", dict(sliding_window=0), "sliding_window=0"),
         ("gqa", "differential", dict(head_dim=6), "head_dim=6"),
+        ("gqa", "mamba", {}, "parent_weights is empty"),
+        ("mha", "single_head", {}, "has one query and one key/value head"),
     ],
 )
 def test_targets_that_cannot_be_built_from_the_parent_are_named(parent, target, fields, named):

@@ -179,6 +179,13 @@ def convert_attention(
         return Conversion(
             model, names, (), how, {"kv_lora_rank": rank, "qk_rope_head_dim": model.config.qk_rope_head_dim}
         )
+    if not variant.attention_class.parent_weights:
+        raise ValueError(
+            f"to={to!r}: no weight of an attention layer means anything in {variant.name}'s "
+            f"{variant.attention_class.family} mixer (parent_weights is empty), so nothing of the parent's attention "
+            f"can start it; train {variant.name} from scratch (hf-attn-zoo train) or convert to a variant that reads "
+            f"queries, keys and values."
+        )
     if method is not None or calibration is not None:
         raise ValueError(
             f"method and calibration choose how {METHODS} pool heads or {MLA_METHODS} fit a latent; {to} copies "

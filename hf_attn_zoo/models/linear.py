@@ -169,6 +169,9 @@ class ZooLinearAttention(ZooMultiHeadAttention):
     compiles_fullgraph = False
     cache_layer = ZooStateLayer  # Σφ(k)[v, 1]ᵀ per key/value head: nothing grows with the length
     mask_type = "tokens"
+    # converted from softmax attention (LoLCATs' start, Zhang et al. 2024): the parent's projections, φ in place of
+    # the softmax; attention transfer then trains q and k for the feature map
+    parent_weights = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     @classmethod
     def mixing_flops_per_token(cls, config: ZooLinearConfig, seq_len: int) -> float:
