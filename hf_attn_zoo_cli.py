@@ -269,7 +269,10 @@ class ConvertOptions:
         },
     )
     temperature: float = field(default=1.0, metadata={"help": "--distill: the temperature of the KL"})
-    alpha: float = field(default=0.0, metadata={"help": "--distill: weight of the labels' cross-entropy (0 to 1)"})
+    alpha: float = field(
+        default=0.0,
+        metadata={"help": "--distill: weight of the labels' cross-entropy (0 to 1; 1: cross-entropy uptraining)"},
+    )
     topk: int | None = field(
         default=None, metadata={"help": "--distill: precompute the parent's top-k once instead of running it"}
     )

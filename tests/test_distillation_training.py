@@ -50,6 +50,17 @@ def test_a_converted_model_learns_from_its_parent(parent, tmp_path):
     assert "distillation" in (Path(summary["final_model"]) / "README.md").read_text()
 
 
+def test_alpha_one_is_cross_entropy_uptraining_and_reads_no_teacher(parent, tmp_path):
+    """convert.alpha 1 weighs the KL by 0: the run is plain cross-entropy uptraining, step for step the losses of the
+    same run without distillation, and the teacher (here a folder that does not exist) is never loaded."""
+    overrides = ["--model.init_from", str(parent), "--convert.num_key_value_heads", "1", *STEPS]
+    plain = run(tmp_path / "plain", *overrides)
+    teacher = ["--convert.teacher", str(tmp_path / "no-such-teacher")]
+    distilled = run(tmp_path / "alpha1", *overrides, "--convert.distill", "true", "--convert.alpha", "1", *teacher)
+    assert distilled["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert "alpha=1: the labels' cross-entropy alone" in (Path(distilled["final_model"]) / "README.md").read_text()
+
+
 def test_distillation_settings_that_cannot_work_are_refused(parent, tmp_path):
     output = ["--training.output_dir", str(tmp_path)]
     with pytest.raises(UserError, match=r"convert\.temperature sets distillation up: set convert\.distill true"):

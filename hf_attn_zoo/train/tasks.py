@@ -293,7 +293,8 @@ class DistillationTask(CausalLMTask):
     LoLCATs and X-EcoMLA repair a converted model): KL at `convert.temperature`, mixed with the labels'
     cross-entropy by `convert.alpha`, against the teacher run alongside or, with `convert.teacher_topk`, its top-k
     log-probabilities precomputed once over the training blocks (`hf_attn_zoo.convert.distill`). The teacher is
-    `convert.teacher`, else the parent the model is converted from. Validation stays the labels' perplexity."""
+    `convert.teacher`, else the parent the model is converted from; at `convert.alpha` 1 (cross-entropy uptraining
+    through the same path) it is never loaded. Validation stays the labels' perplexity."""
 
     name = "distill"
     trainer_class = ZooDistillationTrainer
@@ -310,6 +311,8 @@ class DistillationTask(CausalLMTask):
 
     def build(self, model_args: ModelArguments, data_args: DataArguments, prepared: Prepared):
         model = super().build(model_args, data_args, prepared)
+        if self.conversion.alpha == 1:  # the labels' cross-entropy alone: the KL's weight is 0, no teacher is read
+            return model
         teacher = self.teacher(model_args)
         if (refusal := vocabulary_refusal(teacher, model)) is not None:
             raise UserError(f"convert.distill: {refusal}")
@@ -328,6 +331,7 @@ class DistillationTask(CausalLMTask):
     def details(self, data_args: DataArguments, prepared: Prepared) -> dict:
         conversion = self.conversion
         teacher = f"top-{conversion.teacher_topk} precomputed" if conversion.teacher_topk else "run alongside"
+        teacher = "not read (alpha=1: the labels' cross-entropy alone)" if conversion.alpha == 1 else teacher
         distilled = {"distillation": f"T={conversion.temperature}, alpha={conversion.alpha}, teacher {teacher}"}
         return super().details(data_args, prepared) | distilled
 

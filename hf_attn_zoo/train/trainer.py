@@ -183,7 +183,7 @@ class ZooDistillationTrainer(ZooTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         inputs = dict(inputs)
         columns = {name: inputs.pop(name) for name in TOPK_COLUMNS if name in inputs}
-        if not model.training:  # evaluation: the labels' cross-entropy, as every run reports it
+        if not model.training or self.alpha == 1:  # evaluation, or no KL term: the labels' cross-entropy
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         labels = inputs.pop("labels", None)
         outputs = model(**inputs, use_cache=False)  # (B, T, V) logits, no loss
