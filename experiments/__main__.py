@@ -23,6 +23,10 @@ EXPERIMENTS = {
     "uptrain": ("uptraining.uptraining", "the MHA -> GQA/MQA uptraining ablation on the State of the Union"),
     "uptrain-smollm2": ("uptraining.uptraining", "SmolLM2-135M pooled to MQA and uptrained: the recovery curve"),
     "convert-demo": ("uptraining.conversion", "the demo's MHA model to GQA/MQA by every pooling method"),
+    "convert-frontier": (
+        "uptraining.frontier",
+        "SmolLM2-135M converted, then repaired by CE, transfer or distillation",
+    ),
     "convert-smollm2": ("uptraining.conversion", "SmolLM2-135M to MQA by every pooling method: perplexity, time"),
     "mla-smollm2": ("mla.latent", "SmolLM2-135M converted to MLA at three cache sizes, uptrained, against MQA"),
     "mla-decode": ("mla.latent", "batch-1 decoding of MLA, absorbed and expanded, against GQA of equal parameters"),

@@ -357,12 +357,12 @@ class SmolLM2Setup:
     )
 
 
-def reference_perplexity(model, tokenizer, path: str | None) -> float | None:
-    """Perplexity on BOS + the first 2047 tokens of the text at `path` (one window of 2048); None without one."""
+def reference_perplexity(model, tokenizer, path: str | None, window: int = 2048) -> float | None:
+    """Perplexity on BOS + the first `window` - 1 tokens of the text at `path` (one window); None without one."""
     if path is None:
         return None
-    ids = tokenizer(Path(path).read_text(), add_special_tokens=False)["input_ids"][:2047]
-    return score_texts(model, tokenizer, [tokenizer.decode(ids)], max_length=2048).perplexity
+    ids = tokenizer(Path(path).read_text(), add_special_tokens=False)["input_ids"][: window - 1]
+    return score_texts(model, tokenizer, [tokenizer.decode(ids)], max_length=window).perplexity
 
 
 def run_smollm2(setup: SmolLM2Setup, log=print) -> dict:

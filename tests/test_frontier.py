@@ -1,0 +1,99 @@
+"""The conversion frontier (`python -m experiments convert-frontier`) on a tiny parent: every (target, method,
+budget) cell runs the `hf-attn-zoo convert` command its row records, a rerun reads finished cells back instead of
+training them again, and the table and plot come from the results JSON."""
+
+import json
+from pathlib import Path
+
+import pytest
+from test_cli import saved_model
+
+from experiments.uptraining import frontier
+
+
+@pytest.fixture
+def sotu(tmp_path) -> Path:
+    folder = tmp_path / "sotu"
+    folder.mkdir()
+    for year in (1998, 1999, 2000, 2012, 2013):
+        (folder / f"{year}_President.txt").write_text(f"In {year} the union was strong and the people worked. " * 25)
+    return folder
+
+
+def setup(tmp_path, sotu, **fields) -> frontier.FrontierSetup:
+    reference = tmp_path / "reference.txt"
+    reference.write_text("Everyone is permitted to copy and distribute verbatim copies of this license. " * 5)
+    options = {
+        "parent": str(saved_model(tmp_path / "parent")),
+        "data_dir": str(sotu),
+        "output_dir": str(tmp_path / "frontier"),
+        "targets": ["mqa", "sliding_window:8"],
+        "budgets": [0, 256],
+        "block_size": 32,
+        "batch_size": 2,
+        "calibration_addresses": 2,
+        "held_out_chars": 600,
+        "eval_max_length": 64,
+        "reference_texts": [str(reference)],
+        "reference_window": 64,
+    }
+    return frontier.FrontierSetup(**{**options, **fields})
+
+
+def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path, sotu, monkeypatch):
+    options = setup(tmp_path, sotu)
+    result = frontier.run_frontier(options, log=lambda _: None)
+    rows = {row["cell"]: row for row in result["rows"]}
+    assert sorted(rows) == sorted(
+        [
+            "mqa-converted-0",
+            "sliding_window8-converted-0",
+            *(f"{target}-{method}-256" for target in ("mqa", "sliding_window8") for method in frontier.METHODS),
+        ]
+    )
+    parent = result["parent"]["held_out_perplexity"]
+    for row in result["rows"]:
+        summary = json.loads((Path(options.output_dir) / "cells" / row["cell"] / "training_summary.json").read_text())
+        assert row["parent_held_out_perplexity"] == pytest.approx(parent)  # one parent, scored alike in every cell
+        stages = {
+            "converted": {"converted"},
+            "ce": {"converted", "distilled"},
+            "transfer": {"converted", "transferred"},
+        }
+        expected = stages.get(row["method"], {"converted", "transferred", "distilled"})
+        assert set(summary["held_out_perplexity"]) - {"parent"} == expected, row["cell"]
+        assert row["command"].startswith(f"hf-attn-zoo convert {options.parent} ")
+        assert set(row["reference_perplexity"]) == {"reference.txt"} and row["seconds"] > 0
+    ce = rows["mqa-ce-256"]
+    assert "--alpha 1.0" in ce["command"] and "--transfer" not in ce["command"]
+    assert "--calibration" in ce["command"] and "--method aligned" in ce["command"]
+    # what each method learned moved the converted model
+    assert rows["mqa-transfer-256"]["held_out_perplexity"] != rows["mqa-converted-0"]["held_out_perplexity"]
+    table = (Path(options.output_dir) / "results.md").read_text()
+    assert "| mqa | transfer_distill | 256 |" in table and "reference.txt" in table
+    assert (Path(options.output_dir) / "frontier.png").is_file()
+
+    def no_command(argv):
+        raise AssertionError(f"a finished cell ran again: {argv}")
+
+    monkeypatch.setattr(frontier, "command_line", no_command)
+    again = frontier.run_frontier(options, log=lambda _: None)
+    assert [row["held_out_perplexity"] for row in again["rows"]] == [
+        row["held_out_perplexity"] for row in rows.values()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"methods": ["ce", "sgd"]}, "--methods sgd"),
+        ({"budgets": [-1]}, "--budgets"),
+        ({"targets": ["linear:4"]}, "--targets linear:4"),
+        ({"reference_texts": ["/no/such/file"]}, "--reference_texts /no/such/file"),
+    ],
+)
+def test_bad_options_are_refused_before_any_work(tmp_path, sotu, fields, named):
+    options = setup(tmp_path, sotu, **fields)
+    with pytest.raises(SystemExit, match=named):
+        frontier.run_frontier(options, log=lambda _: None)
+    assert not (Path(options.output_dir) / "cells").exists()
