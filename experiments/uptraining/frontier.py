@@ -77,6 +77,7 @@ class FrontierSetup(Results):
     batch_size: int = field(default=4, metadata={"help": "rows per uptraining / distillation step"})
     learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate of ce and distillation"})
     transfer_learning_rate: float = field(default=1e-3, metadata={"help": "Adam's rate of attention transfer"})
+    transfer_batch_size: int = field(default=4, metadata={"help": "rows per attention-transfer step"})
     temperature: float = field(default=2.0, metadata={"help": "distillation's temperature"})
     alpha: float = field(default=0.0, metadata={"help": "distillation's weight of the labels' cross-entropy"})
     topk: int | None = field(
@@ -135,6 +136,7 @@ def command(setup: FrontierSetup, target: str, method: str, budget: int, files: 
     argv += ["--data", *files["train"], "--tokens", str(budget), "--block_size", str(setup.block_size)]
     if method in ("transfer", "transfer_distill"):
         argv += ["--transfer", "--transfer_learning_rate", str(setup.transfer_learning_rate)]
+        argv += ["--transfer_batch_size", str(setup.transfer_batch_size)]
     if method in ("ce", "transfer_distill"):
         alpha = 1.0 if method == "ce" else setup.alpha
         argv += ["--distill", "--alpha", str(alpha), "--temperature", str(setup.temperature)]
