@@ -15,7 +15,8 @@ they mean the same, the rest fresh). Methods (`--methods`):
 
 A budget (`--budgets`) is the tokens of training text a method reads (`--tokens`, rows of `--block_size`); transfer +
 distillation reads them twice, once per stage. Budget 0 is the conversion alone, one cell per target. Training text:
-the addresses up to 2000 of `--data_dir`; held out: the first `--held_out_chars` characters of the 2011-2021
+the addresses up to 2000 of `--data_dir`, newest first (transfer reads the first tokens, cross-entropy and
+distillation draw blocks from all of them); held out: the first `--held_out_chars` characters of the 2011-2021
 addresses (windows of `--eval_max_length`), and each of `--reference_texts` (BOS + its first
 `--reference_window` - 1 tokens), text unlike the training text.
 
@@ -157,16 +158,16 @@ def references(setup: FrontierSetup, folder: str) -> dict[str, float]:
 def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files: dict) -> dict:
     out = Path(setup.output_dir) / "cells" / cell_name(target, method, budget)
     argv = command(setup, target, method, budget, files, out)
-    summary_file = out / "training_summary.json"
-    if not summary_file.is_file():
+    summary_file, scored_file = out / "training_summary.json", out / "frontier.json"
+    if not scored_file.is_file():  # written last: a cell stopped before it runs again (convert keeps what it finds)
         start = time.perf_counter()
         if command_line(argv) != 0:
             raise SystemExit(f"{cell_name(target, method, budget)}: hf-attn-zoo {' '.join(argv)} failed")
         seconds = time.perf_counter() - start
         scored = {"seconds": round(seconds, 1), "reference_perplexity": references(setup, str(out))}
-        write_atomically(out / "frontier.json", json.dumps(scored, indent=2))
+        write_atomically(scored_file, json.dumps(scored, indent=2))
     summary = json.loads(summary_file.read_text())
-    scored = json.loads((out / "frontier.json").read_text())
+    scored = json.loads(scored_file.read_text())
     held_out = summary["held_out_perplexity"]
     final = next(held_out[k] for k in ("distilled", "transferred", "converted") if k in held_out)
     return {
@@ -196,7 +197,7 @@ def run_frontier(setup: FrontierSetup, log=print) -> dict:
     held_out = out / "held_out.txt"
     held_out.write_text("\n\n".join(Path(f).read_text() for f in splits["test"])[: setup.held_out_chars])
     files = {
-        "train": splits["train"],
+        "train": splits["train"][::-1],  # newest first: transfer reads the first --tokens, distillation samples all
         "calibration": splits["train"][-setup.calibration_addresses :],
         "held_out": str(held_out),
     }
