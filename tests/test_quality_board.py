@@ -137,6 +137,11 @@ def test_every_registered_variant_matches_the_reference_parameters_at_the_defaul
         assert fields["max_position_embeddings"] == (256 if sized_by_length else 2048), (variant, positions)
     sliding, _, _ = quality.cell_fields(setup, quality.Cell("sliding_window", "rope", 0), 4096, 256)
     assert sliding["sliding_window"] == 64  # --fields reaches the variants whose config has the field
+    # the sparse variants see fewer keys than a training row holds, else they would train exactly as gqa
+    bigbird, _, _ = quality.cell_fields(setup, quality.Cell("bigbird", "rope", 0), 4096, 256)
+    bigbird = VARIANTS["bigbird"].config(**bigbird)
+    seen = bigbird.num_window_blocks + bigbird.num_global_blocks + bigbird.num_random_blocks
+    assert seen * bigbird.attention_block_size == 128 and sliding["sliding_window"] < 256
     # heads as wide as the others': differential's presets halve the heads (two maps each), so does the board
     differential, _, _ = quality.cell_fields(setup, quality.Cell("differential", "rope", 0), 4096, 256)
     assert differential["num_attention_heads"] == 4 and sliding["num_attention_heads"] == 8

@@ -10,7 +10,9 @@ parameters equal those of `--reference` (mha) at its default MLP, to the nearest
 attention alone would need a negative MLP, or that lands more than 10% off, is refused naming it. Each variant's own
 fields (window, k, bias rank, ...) come from its `small` preset, with `--fields` on top for every variant whose config
 has them (the default narrows the sliding window to 64, a quarter of the training length, as the preset's 256 is of
-its 1,024 positions; at 256 it would see every training token and train exactly as gqa).
+its 1,024 positions; at 256 it would see every training token and train exactly as gqa. For the same reason BigBird's
+blocks are 16 tokens: its 3 window, 2 global and 3 random blocks are then half of a training row's 16, where the
+preset's blocks of 32 made them all 8 of them, full attention).
 
 Positions: a model is built for the longest scored length (`--lengths`) unless that changes its parameters (learned
 positions, AFT's position bias, Linformer's E and F are tables over positions): those are built for the training
@@ -116,7 +118,7 @@ class QualitySetup(Results):
         default=8, metadata={"help": "query heads of the variants whose small preset sets a head count"}
     )
     fields: str = field(
-        default='{"sliding_window": 64}',
+        default='{"sliding_window": 64, "attention_block_size": 16}',
         metadata={"help": "JSON config fields over the small presets, for every variant whose config has them"},
     )
     reference: str = field(
