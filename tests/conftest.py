@@ -1,10 +1,13 @@
 """Shared fixtures of the test suite: tiny configs for every registered variant and padded batches."""
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,15 @@ from hf_attn_zoo.models import VARIANTS
 from hf_attn_zoo.models.compat_zoo import CACHE_KWARG, returned_cache  # noqa: F401 (the tests import them from here)
 
 import references
+
+# The suite loads dozens of small text files through `datasets`, whose map() writes its cache files beside each
+# loaded file's cache in ~/.cache/huggingface/datasets: run after run they pile up there (tens of GB over many runs).
+# One temporary cache for the session (subprocesses inherit it) keeps the user's cache as it was.
+_DATASETS_CACHE = tempfile.mkdtemp(prefix="hf-attn-zoo-test-datasets-")
+atexit.register(shutil.rmtree, _DATASETS_CACHE, ignore_errors=True)
+os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
+if "datasets" in sys.modules:  # imported already (by a plugin or the package): it read the variable at import
+    sys.modules["datasets"].config.HF_DATASETS_CACHE = Path(_DATASETS_CACHE)
 
 VOCAB_SIZE = 97
 
