@@ -81,6 +81,12 @@ def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path,
     assert [row["held_out_perplexity"] for row in again["rows"]] == [
         row["held_out_perplexity"] for row in rows.values()
     ]
+    # a run of one target and budget reads its cell back and keeps every row the others wrote
+    subset = frontier.run_frontier(setup(tmp_path, sotu, targets=["sliding_window:8"], budgets=[0]), log=print)
+    assert sorted(row["cell"] for row in subset["rows"]) == sorted(rows)
+    written = json.loads((Path(options.output_dir) / "results.json").read_text())
+    assert sorted(row["cell"] for row in written["rows"]) == sorted(rows)
+    assert "| mqa | transfer_distill | 256 |" in (Path(options.output_dir) / "results.md").read_text()
 
 
 @pytest.mark.parametrize(

@@ -211,15 +211,24 @@ def run_frontier(setup: FrontierSetup, log=print) -> dict:
     if not parent_file.is_file():
         write_atomically(parent_file, json.dumps({"reference_perplexity": references(setup, setup.parent)}))
     parent = json.loads(parent_file.read_text())
-    rows = []
+    # a run of some targets or budgets keeps the rows earlier runs wrote for the others
+    earlier = json.loads((out / "results.json").read_text())["rows"] if (out / "results.json").is_file() else []
+    rows = {row["cell"]: row for row in earlier}
+    result = {"setup": asdict(setup), "parent": parent, "rows": list(rows.values())}
     for target, method, budget in plan:
-        rows.append(run_cell(setup, target, method, budget, files))
-        log(f"{rows[-1]['cell']}: held-out {rows[-1]['held_out_perplexity']:.2f}, {rows[-1]['seconds'] / 60:.1f} min")
-        parent["held_out_perplexity"] = rows[-1]["parent_held_out_perplexity"]
-        result = {"setup": asdict(setup), "parent": parent, "rows": rows}
+        row = run_cell(setup, target, method, budget, files)
+        rows[row["cell"]] = row
+        log(f"{row['cell']}: held-out {row['held_out_perplexity']:.2f}, {row['seconds'] / 60:.1f} min")
+        parent["held_out_perplexity"] = row["parent_held_out_perplexity"]
+        result = {"setup": asdict(setup), "parent": parent, "rows": list(rows.values())}
         write_results(out, "results", result, frontier_table(result), frontier_figures(result), log=lambda _: None)
     write_results(out, "results", result, frontier_table(result), frontier_figures(result), log=log)
     return result
+
+
+def targets_of(result: dict) -> list[str]:
+    """The run's targets in its order, then those of rows earlier runs kept."""
+    return list(dict.fromkeys([*result["setup"]["targets"], *(row["target"] for row in result["rows"])]))
 
 
 def frontier_table(result: dict) -> str:
@@ -239,7 +248,8 @@ def frontier_table(result: dict) -> str:
         + "".join(f"{parent['reference_perplexity'][n]:,.2f} | " for n in names)
         + " |",
     ]
-    for row in sorted(rows, key=lambda r: (setup["targets"].index(r["target"]), r["tokens"], r["method"])):
+    targets = targets_of(result)
+    for row in sorted(rows, key=lambda r: (targets.index(r["target"]), r["tokens"], r["method"])):
         change = row["held_out_perplexity"] / parent["held_out_perplexity"] - 1
         lines.append(
             f"| {row['target']} | {row['method']} | {row['tokens']:,} | {row['held_out_perplexity']:,.2f} | "
@@ -254,7 +264,7 @@ def plot_frontier(result: dict, path: Path) -> bool:
     """One panel per target: held-out perplexity against the tokens read, a line per method from the conversion
     alone; the parent dashed, the 10% target dotted."""
     plt = headless_pyplot()
-    targets = [t for t in result["setup"]["targets"] if any(row["target"] == t for row in result["rows"])]
+    targets = [t for t in targets_of(result) if any(row["target"] == t for row in result["rows"])]
     if plt is None or not targets:
         return False
     parent = result["parent"]["held_out_perplexity"]
