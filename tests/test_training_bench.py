@@ -1,5 +1,6 @@
 """The training-throughput benchmark (experiments/speed/speed.py training): one row per variant, mode and shape against
-Llama of the same size, compiled beside eager, and its options checked before anything is built."""
+Llama of the same size, compiled beside eager, and its options checked before anything is built; and how the decode
+benchmark (experiments/speed/decode.py) keeps earlier rows."""
 
 import json
 
@@ -72,3 +73,19 @@ def test_bad_options_are_named(field, value, message):
     setup = speed.TrainingThroughputSetup(**{field: value})
     with pytest.raises(SystemExit, match=message):
         speed.training_throughput(setup)
+
+
+def test_a_decode_run_of_some_variants_replaces_their_rows_and_keeps_the_others(tmp_path):
+    from experiments.speed import decode
+
+    def run(variants):
+        setup = decode.DecodeSetup(
+            variants=variants, batch_sizes=[1], prompt_len=8, new_tokens=2, runs=1, repeats=1, output_dir=str(tmp_path)
+        )
+        return decode.run_decode(setup)
+
+    run(["mqa", "gqa"])
+    rows = run(["gqa"])  # measured again: replaced, not doubled, and kept in registry order
+    assert [(row["variant"], row["batch_size"]) for row in rows] == [("mqa", 1), ("gqa", 1)]
+    assert json.loads((tmp_path / "decode.json").read_text()) == rows
+    assert "| `mqa` | 1 |" in (tmp_path / "decode.md").read_text()

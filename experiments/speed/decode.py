@@ -17,6 +17,7 @@ back-to-back pairs (common.py).
     python -m experiments fast-decode [--variants gqa] [--new_tokens 128]
 """
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,7 +167,17 @@ def decode_figures(rows: list[dict]) -> dict:
 
 
 def run_decode(setup: DecodeSetup) -> list[dict]:
+    """Measure, then write the rows beside those of earlier runs: a run over some variants or batch sizes replaces
+    their rows and keeps the others (each row is its own ratio, measured back to back)."""
     rows = decode_benchmark(setup)
+    earlier = Path(setup.output_dir) / "decode.json"
+    if earlier.exists():
+        measured = {(row["variant"], row["batch_size"]) for row in rows}
+        known = list(VARIANTS)
+        rows = sorted(
+            [r for r in json.loads(earlier.read_text()) if (r["variant"], r["batch_size"]) not in measured] + rows,
+            key=lambda r: (known.index(r["variant"]) if r["variant"] in known else len(known), r["batch_size"]),
+        )
     write_results(setup.output_dir, "decode", rows, decode_table(rows, setup), decode_figures(rows))
     return rows
 
