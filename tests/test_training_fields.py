@@ -7,6 +7,7 @@ and one final evaluation where the Trainer evaluated the last step already."""
 
 import json
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,17 @@ def test_word_dropout_reaches_the_training_batches_only(tmp_path):
         torch.testing.assert_close(trainer.compute_loss(model, dict(batch)), model(**batch).loss, rtol=0, atol=0)
     with pytest.raises(UserError, match=r"target_word_dropout=1\.0 is a probability .* \[0, 1\)"):
         load_recipe(RECIPE, ["--training.output_dir", str(tmp_path), "--training.target_word_dropout", "1.0"])
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pinned memory is wanted beside an accelerator")
+def test_no_memory_is_pinned_without_an_accelerator(tmp_path):
+    from hf_attn_zoo.train.recipe import ZooTrainingArguments
+
+    # torch's DataLoader warns on every CPU run that it cannot pin; pinning buys nothing without a device to copy to
+    assert ZooTrainingArguments(output_dir=str(tmp_path)).dataloader_pin_memory is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = torch.utils.data.DataLoader(
+            range(4), pin_memory=ZooTrainingArguments(str(tmp_path)).dataloader_pin_memory
+        )
+        assert [int(x) for batch in loader for x in batch] == [0, 1, 2, 3]

@@ -327,6 +327,10 @@ class ZooTrainingArguments(Seq2SeqTrainingArguments):
                     "training.average_checkpoints averages the last checkpoints, and load_best_model_at_end (or "
                     "early_stopping_patience) ends on the best one: choose one of them."
                 )
+        # pinned host memory only speeds copies to an accelerator; without one torch's DataLoader warns on every run
+        accelerator = getattr(torch, "accelerator", None)
+        if self.dataloader_pin_memory and accelerator is not None and not accelerator.is_available():
+            self.dataloader_pin_memory = False
         super().__post_init__()
 
 
