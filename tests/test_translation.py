@@ -260,6 +260,30 @@ def test_translations_batched_by_length_come_back_in_order_with_the_tokens_gener
     assert generated_token_count(rows, 2) == 3 + 2 + 5 and generated_token_count(rows, None) == 15
 
 
+def test_translating_with_a_saved_length_limit_warns_nothing(trained):
+    """A trained translator saves `max_length` in its generation config; translating with a budget of new tokens
+    must not make generate() warn on every batch that both limits are set."""
+    import logging
+
+    from hf_attn_zoo.evaluation.translation import translate
+
+    final = trained / "final"
+    model, tokenizer = AutoModelForSeq2SeqLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
+    assert model.generation_config.max_length is not None
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.generation.utils")
+    logger.addHandler(handler)
+    try:
+        texts = translate(model, tokenizer, ["I see the book."], max_new_tokens=12)
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "seem to have been set" in r.getMessage()]
+    expected = model.generate(**tokenizer("I see the book.", return_tensors="pt"), max_new_tokens=12)[0]
+    assert texts == [tokenizer.decode(expected, skip_special_tokens=True).strip()]
+
+
 def test_attention_draws_the_cross_attention_of_a_translator(trained, tmp_path, capsys):
     out = tmp_path / "map.png"
     status, printed, _ = run_cli(

@@ -150,7 +150,10 @@ def generate_translations(
     if not max_new_tokens:
         longest = max((len(ids) for ids in tokenizer(sources)["input_ids"]), default=0)
         max_new_tokens = translation_budget(model, longest)
-    limit = {"max_new_tokens": max_new_tokens}
+    # An encoder-decoder's output is its start token and the new tokens: the limit is said as `max_length`, which the
+    # saved generation config also sets, since generate() warns on every call when both limits are set.
+    encoder_decoder = model.config.is_encoder_decoder
+    limit = {"max_length": 1 + max_new_tokens} if encoder_decoder else {"max_new_tokens": max_new_tokens}
     texts, generated_tokens = [""] * len(sources), 0
     for start in range(0, len(order), batch_size):
         chosen = order[start : start + batch_size]
