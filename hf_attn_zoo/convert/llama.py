@@ -63,8 +63,12 @@ LLAMA_BACKBONE = {
 
 
 def in_mha_family(name_or_model_type: str) -> bool:
-    """Whether a variant shares Llama's attention (the `mha` family: MHA, GQA, MQA, single head)."""
-    return get_variant(name_or_model_type).family == "mha"
+    """Whether a variant shares Llama's attention (the `mha` family: MHA, GQA, MQA, single head). A name or model
+    type the zoo does not register as a variant (`zoo_rnn`, `marian`, a typo) is not in it."""
+    return any(
+        name_or_model_type in (variant.name, variant.model_type) and variant.family == "mha"
+        for variant in VARIANTS.values()
+    )
 
 
 def default_variant(num_attention_heads: int, num_key_value_heads: int) -> str:

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from ..convert import from_llama, mha_to_gqa
+from ..convert import from_llama, mha_to_gqa, seq2seq_mha_to_gqa
 from ..convert.calibrated import CALIBRATION_METHODS
 from ..data import tokenizer_fields
 from ..errors import MissingPathError, UserError, one_line
 from ..models import SEQ2SEQ, ZooForCausalLM, get_variant
-from .recipe import ModelArguments
+from .recipe import ConversionArguments, ModelArguments
 
 
 def parent_train_tokens(init_from: str) -> int:
@@ -136,20 +136,44 @@ def freeze_fixed_positions(model) -> list[str]:
     return frozen
 
 
-def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length: int):
-    """The translator to train: from `init_from`, or fresh from `ModelArguments.seq2seq_config` with the tokenizer's
+def first_pairs(pairs, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first training pairs holding `tokens` source + target tokens, as the `(1, S)` / `(1, T)` id tensors the
+    encoder-decoder conversions teacher-force (at least one pair)."""
+    chosen, seen = [], 0
+    for source, target in zip(pairs["input_ids"], pairs["labels"]):
+        chosen.append((torch.tensor([source]), torch.tensor([target])))  # (1, S), (1, T)
+        seen += len(source) + len(target)
+        if seen >= tokens:
+            break
+    return chosen
+
+
+def convert_seq2seq(model, conversion: ConversionArguments, train_pairs):
+    """`model` (a zoo MHA encoder-decoder) with its decoder's self- and cross-attention pooled to
+    `convert.num_key_value_heads` key/value heads by `convert.method`, the encoder keeping its heads (Ainslie et al.
+    2023 uptrain T5 so); a calibrated method reads the first `convert.calibration_tokens` of the training pairs."""
+    calibration = None
+    if conversion.method in CALIBRATION_METHODS:
+        calibration = first_pairs(train_pairs, conversion.calibration_tokens)
+    try:
+        return seq2seq_mha_to_gqa(model, conversion.num_key_value_heads, conversion.method, calibration=calibration)
+    except ValueError as error:  # the conversion names what does not fit: say it as the recipe's field
+        raise UserError(f"convert.num_key_value_heads={conversion.num_key_value_heads}: {one_line(error)}") from error
+
+
+def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length: int, train_pairs=None):
+    """The translator to train: from `init_from` (its decoder's key/value heads pooled where `convert` says, a
+    calibrated method fitted on `train_pairs`), or fresh from `ModelArguments.seq2seq_config` with the tokenizer's
     vocabulary and special tokens (the decoder starts from BOS, as the tokenizer's texts end with EOS). A source
     length beyond the encoder's positions is refused."""
     from ..evaluation.translation import encoder_positions
 
-    if model_args.conversion.num_key_value_heads is not None:
-        raise UserError(
-            "convert.num_key_value_heads pools a decoder-only model's heads; remove it for model.task seq2seq."
-        )
     kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     if model_args.init_from is not None:
         model = AutoModelForSeq2SeqLM.from_pretrained(model_args.source, **kwargs)
         freeze_fixed_positions(model)
+        if model_args.conversion.num_key_value_heads is not None:
+            model = convert_seq2seq(model, model_args.conversion, train_pairs)
         if len(tokenizer) > model.config.vocab_size:
             raise UserError(
                 f"the tokenizer has {len(tokenizer)} tokens but {model_args.init_from} only "

@@ -169,6 +169,14 @@ class TranslationTask(Task):
     name = "seq2seq"
     trainer_class = ZooSeq2SeqTrainer
 
+    def __init__(self) -> None:
+        self.uptraining: tuple[float, int] | None = None  # (convert.uptrain_fraction, the parent's training tokens)
+
+    def plan_steps(self, model_args: ModelArguments, data_args: DataArguments, args: ZooTrainingArguments) -> None:
+        fraction = model_args.conversion.uptrain_fraction
+        if fraction is not None:  # the parent must say how long it trained before any data work; steps in configure
+            self.uptraining = (fraction, parent_train_tokens(model_args.init_from))
+
     def prepare(self, data_args: DataArguments) -> Prepared:
         splits = split_pairs(data_args)
         tokenizer = build_pair_tokenizer(data_args, splits["train"])
@@ -181,9 +189,14 @@ class TranslationTask(Task):
         return Prepared(tokenizer, train, validation, {"splits": splits})
 
     def build(self, model_args: ModelArguments, data_args: DataArguments, prepared: Prepared):
-        return build_seq2seq_model(model_args, prepared.tokenizer, data_args.max_source_length)
+        return build_seq2seq_model(model_args, prepared.tokenizer, data_args.max_source_length, prepared.train)
 
     def configure(self, model, prepared: Prepared, data_args: DataArguments, args: ZooTrainingArguments) -> None:
+        if self.uptraining is not None:
+            # a step's tokens depend on the pairs' lengths (and with training.batch_tokens on the batching), known
+            # only now: the steps of the fraction are counted in this run's real tokens a step, as the parent's
+            fraction, parent_tokens = self.uptraining
+            args.max_steps = uptraining_steps(fraction, parent_tokens, self.tokens_per_step(prepared, data_args, args))
         set_generation_config(
             model,
             prepared.tokenizer,
