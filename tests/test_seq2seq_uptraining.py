@@ -1,15 +1,18 @@
 """MHA -> GQA/MQA uptraining of an encoder-decoder through the training path (Ainslie et al. 2023's T5 setting):
 `convert.num_key_value_heads` pools a zoo translator's decoder self- and cross-attention, the encoder keeping its
-heads; `convert.uptrain_fraction` counts the parent's training tokens in this run's tokens a step; a conversion that
-cannot work is refused naming the field."""
+heads; `convert.uptrain_fraction` counts the parent's training tokens in this run's tokens a step; `convert.distill`
+trains the converted translator on the parent's distribution over each next target token (the decoder's labels in
+place, not shifted: checked against a naive reference); a conversion that cannot work is refused naming the field."""
 
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from torch.nn import functional as F
 from transformers import AutoModelForSeq2SeqLM
 
+from hf_attn_zoo.convert.distill import distillation_loss
 from hf_attn_zoo.errors import UserError
 from hf_attn_zoo.train import load_recipe, run_training
 from hf_attn_zoo.train.build import first_pairs
@@ -84,3 +87,58 @@ def test_a_conversion_that_cannot_work_is_refused_naming_the_field(parent, tmp_p
     with pytest.raises(UserError, match=r"convert\.num_key_value_heads=1: zoo_rnn is not an encoder-decoder of the"):
         run_training(*load_recipe(RNN_RECIPE, [*overrides, "--training.output_dir", str(tmp_path / "from_rnn")]))
     assert not (tmp_path / "from_rnn" / "final").exists()
+
+
+def test_a_decoders_distillation_loss_scores_its_labels_in_place_as_a_naive_reference():
+    """shift=False: the logits at t against label t, every labelled position counted: (1 - alpha) T² KL + alpha CE,
+    averaged over them, position by position."""
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11, generator=generator), torch.randn(2, 5, 11, generator=generator)
+    labels = torch.randint(0, 11, (2, 5), generator=generator)
+    labels[0, 3:] = -100  # padding of a shorter target
+    temperature, alpha = 2.0, 0.3
+    terms = []
+    for row, position in (labels != -100).nonzero().tolist():
+        p_teacher = F.softmax(teacher[row, position] / temperature, dim=-1)
+        log_p_student = F.log_softmax(student[row, position] / temperature, dim=-1)
+        kl = (p_teacher * (p_teacher.log() - log_p_student)).sum()
+        cross_entropy = -F.log_softmax(student[row, position], dim=-1)[labels[row, position]]
+        terms.append((1 - alpha) * temperature**2 * kl + alpha * cross_entropy)
+    expected = torch.stack(terms).mean()
+    loss = distillation_loss(student, teacher, labels, temperature=temperature, alpha=alpha, shift=False)
+    assert len(terms) == 8 and torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+    shifted = distillation_loss(student, teacher, labels, temperature=temperature, alpha=alpha)
+    assert not torch.allclose(shifted, expected, rtol=1e-3)  # a language model's shift scores other positions
+
+
+def test_distilling_into_the_parents_own_copy_learns_nothing_to_learn(parent, tmp_path):
+    """The parent's copy (G equal to its key/value heads, no dropout) distilled from the parent: its distribution is
+    the teacher's, so the KL of the first step is zero."""
+    output = tmp_path / "run"
+    overrides = ["--model.init_from", str(parent / "final"), "--convert.num_key_value_heads", "2"]
+    overrides += ["--convert.distill", "true", "--training.max_steps", "1", "--training.logging_steps", "1"]
+    summary = run_training(*load_recipe(RECIPE, [*STEPS, *overrides, "--training.output_dir", str(output)]))
+    assert summary["steps"] == 1 and summary["losses"][0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_mqa_conversion_distilled_from_its_parent_trains_toward_it(parent, tmp_path):
+    """Mean-pooled to one key/value head, then 10 steps of KL (T = 2) mixed with 10% cross-entropy against the
+    parent run alongside: the loss falls and the translator saved is MQA in the decoder."""
+    output = tmp_path / "run"
+    overrides = ["--model.init_from", str(parent / "final"), "--convert.num_key_value_heads", "1"]
+    overrides += ["--convert.distill", "true", "--convert.temperature", "2", "--convert.alpha", "0.1"]
+    overrides += ["--training.max_steps", "10", "--training.logging_steps", "1", "--training.learning_rate", "1e-3"]
+    summary = run_training(*load_recipe(RECIPE, [*STEPS, *overrides, "--training.output_dir", str(output)]))
+    losses = summary["losses"]
+    assert summary["steps"] == 10 and len(losses) == 10 and losses[0] > 0
+    assert sum(losses[-3:]) / 3 < losses[0]
+    config = AutoModelForSeq2SeqLM.from_pretrained(output / "final").config
+    assert (config.num_key_value_heads, config.cross_attention_num_key_value_heads) == (1, 1)
+
+
+def test_precomputed_teacher_columns_are_refused_for_a_translator(parent, tmp_path):
+    overrides = ["--model.init_from", str(parent / "final"), "--convert.distill", "true"]
+    overrides += ["--convert.teacher_topk", "8", "--training.output_dir", str(tmp_path / "run")]
+    with pytest.raises(UserError, match=r"convert\.teacher_topk=8 .*leave convert\.teacher_topk empty"):
+        run_training(*load_recipe(RECIPE, [*STEPS, *overrides]))
+    assert not (tmp_path / "run").exists()

@@ -7,8 +7,10 @@ distribution, as Hinton et al. (2015) distil and as LoLCATs, X-EcoMLA and MOHAWK
 
 with p_·,T = softmax(logits / T). The T² keeps the gradients' scale independent of T (Hinton et al., section 2).
 The means run over the positions t that have a label (`labels[t + 1] != ignore_index`, transformers' shifted
-convention: the logits at t predict token t + 1); without labels, over every position but the last, and alpha must
-be 0. `num_items_in_batch` divides sums instead of counting positions, as transformers' loss does under gradient
+convention for a language model: the logits at t predict token t + 1); without labels, over every position but the
+last, and alpha must be 0. An encoder-decoder's decoder predicts its labels in place (`shift=False`: the logits at t
+predict `labels[t]`, the decoder having read the start token and `labels[:t]`), so every labelled position counts.
+`num_items_in_batch` divides sums instead of counting positions, as transformers' loss does under gradient
 accumulation.
 
 `topk_distillation_loss` (the teacher's top-k precomputed once by `precompute_teacher_topk`, so a CPU run pays the
@@ -41,18 +43,21 @@ TOPK_COLUMNS = (TOPK_IDS, TOPK_LOGPROBS, TAIL_LOGPROB, TEMPERATURE)
 
 
 def scored_positions(
-    shape: torch.Size, labels: torch.LongTensor | None, ignore_index: int, device
+    shape: torch.Size, labels: torch.LongTensor | None, ignore_index: int, device, shift: bool = True
 ) -> tuple[torch.Tensor, torch.LongTensor | None]:
-    """(mask `(B, T)` of the positions whose next token is a label, the next tokens `(B, T)` or None): transformers'
-    shift, the last position never scored."""
+    """(mask `(B, T)` of the positions whose target is a label, the targets `(B, T)` or None): with `shift`
+    transformers' language-model shift, the last position never scored; without, the labels in place (a decoder)."""
     batch, length = shape[:2]
     if labels is None:
         mask = torch.ones(batch, length, dtype=torch.bool, device=device)
-        mask[:, -1] = False
+        if shift:
+            mask[:, -1] = False
         return mask, None
     if tuple(labels.shape) != (batch, length):
         raise ValueError(f"labels have shape {tuple(labels.shape)}, the logits {tuple(shape[:2])} positions.")
-    targets = F.pad(labels.to(device), (0, 1), value=ignore_index)[:, 1:]  # token t + 1 is position t's target
+    targets = labels.to(device)
+    if shift:
+        targets = F.pad(targets, (0, 1), value=ignore_index)[:, 1:]  # token t + 1 is position t's target
     return targets != ignore_index, targets
 
 
@@ -93,10 +98,11 @@ def distillation_loss(
     alpha: float = 0.0,
     ignore_index: int = -100,
     num_items_in_batch: torch.Tensor | int | None = None,
+    shift: bool = True,
 ) -> torch.Tensor:
     """(1 - alpha) · T² · KL(teacher || student) at temperature T + alpha · cross-entropy, averaged over the positions
     with a label (module docstring). `student_logits`, `teacher_logits`: `(B, T, V)`; `labels`: `(B, T)`, unshifted
-    (transformers' convention), `ignore_index` where nothing is predicted."""
+    (transformers' convention), `ignore_index` where nothing is predicted; `shift=False` for a decoder's labels."""
     check_arguments(temperature, alpha)
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -104,7 +110,7 @@ def distillation_loss(
             f"distillation compares distributions over one vocabulary at the same positions (same tokenizer, same "
             f"vocab_size)."
         )
-    mask, targets = scored_positions(student_logits.shape, labels, ignore_index, student_logits.device)
+    mask, targets = scored_positions(student_logits.shape, labels, ignore_index, student_logits.device, shift)
     student = F.log_softmax(student_logits[mask].float() / temperature, dim=-1)  # (N, V)
     teacher = F.log_softmax(teacher_logits[mask].to(student_logits.device).float() / temperature, dim=-1)
     kl_sum = F.kl_div(student, teacher, log_target=True, reduction="sum")  # Σ_N Σ_V q (log q - log p)

@@ -8,7 +8,8 @@ memory callbacks, the one tokenizer of all processes, the final save -- is `run.
 
 - `CausalLMTask`: a language model on text blocks (`hf_attn_zoo.data`), evaluated by validation perplexity against
   the unigram baseline; `convert.uptrain_fraction` turns a fraction of the parent's tokens into steps.
-- `DistillationTask`: a language model learning from a teacher's next-token distribution (`convert.distill`).
+- `DistillationTask` / `TranslationDistillationTask`: a language model or a translator learning from a teacher's
+  next-token distribution (`convert.distill`; `Distilling` holds what both add).
 - `TranslationTask`: a translator on sentence pairs (`hf_attn_zoo.pairs`) with `Seq2SeqTrainer`, evaluated with
   `generate()` for BLEU and chrF through the shipped `evaluate` module, and the references' perplexity at the end;
   it writes the pairs it validated on (and held out) beside the final model, for `hf-attn-zoo translate-eval`.
@@ -21,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq, Trainer
 
 from ..convert.distill import precompute_teacher_topk, vocabulary_refusal
 from ..data import DataArguments, prepare_data
@@ -38,7 +39,13 @@ from .build import (
     uptraining_steps,
 )
 from .recipe import ConversionArguments, ModelArguments, ZooTrainingArguments
-from .trainer import ZooDistillationTrainer, ZooSeq2SeqTrainer, ZooTrainer, token_batches
+from .trainer import (
+    ZooDistillationTrainer,
+    ZooSeq2SeqDistillationTrainer,
+    ZooSeq2SeqTrainer,
+    ZooTrainer,
+    token_batches,
+)
 
 
 @dataclass
@@ -301,25 +308,26 @@ def validation_perplexity(trainer: Trainer, validation, collator) -> float:
     return math.exp(min(total / max(tokens, 1), 700.0))
 
 
-class DistillationTask(CausalLMTask):
-    """A language model learning from a teacher's next-token distribution (`convert.distill`; Hinton et al. 2015, as
-    LoLCATs and X-EcoMLA repair a converted model): KL at `convert.temperature`, mixed with the labels'
-    cross-entropy by `convert.alpha`, against the teacher run alongside or, with `convert.teacher_topk`, its top-k
-    log-probabilities precomputed once over the training blocks (`hf_attn_zoo.convert.distill`). The teacher is
-    `convert.teacher`, else the parent the model is converted from; at `convert.alpha` 1 (cross-entropy uptraining
-    through the same path) it is never loaded. Validation stays the labels' perplexity."""
+class Distilling:
+    """What a run that learns from a teacher's next-token distribution adds to its task (`convert.distill`; Hinton
+    et al. 2015, as LoLCATs and X-EcoMLA repair a converted model): KL at `convert.temperature`, mixed with the
+    labels' cross-entropy by `convert.alpha`, against the teacher run alongside or, with `convert.teacher_topk`, its
+    top-k log-probabilities precomputed once over the training blocks (`hf_attn_zoo.convert.distill`; a language
+    model's). The teacher is `convert.teacher`, else the parent the model is converted from, loaded by
+    `teacher_class`; at `convert.alpha` 1 (cross-entropy uptraining through the same path) it is never loaded.
+    Validation stays the labels' perplexity."""
 
-    name = "distill"
-    trainer_class = ZooDistillationTrainer
+    teacher_class: ClassVar[type]
 
     def __init__(self, conversion: ConversionArguments) -> None:
+        super().__init__()
         self.conversion = conversion
         self._teacher = None
 
     def teacher(self, model_args: ModelArguments):
         if self._teacher is None:
             source = self.conversion.teacher_source or model_args.source
-            self._teacher = AutoModelForCausalLM.from_pretrained(source).eval().requires_grad_(False)
+            self._teacher = self.teacher_class.from_pretrained(source).eval().requires_grad_(False)
         return self._teacher
 
     def build(self, model_args: ModelArguments, data_args: DataArguments, prepared: Prepared):
@@ -349,14 +357,42 @@ class DistillationTask(CausalLMTask):
         return super().details(data_args, prepared) | distilled
 
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (CausalLMTask, TranslationTask, DistillationTask)}
+class DistillationTask(Distilling, CausalLMTask):
+    """A language model learning from a teacher language model (`Distilling`)."""
+
+    name = "distill"
+    trainer_class = ZooDistillationTrainer
+    teacher_class = AutoModelForCausalLM
+
+
+class TranslationDistillationTask(Distilling, TranslationTask):
+    """A translator learning from a teacher translator's distribution over each next target token given the same
+    source and target prefix (`Distilling`; word-level distillation, Kim & Rush 2016), as a converted translator
+    (`convert.num_key_value_heads`) learns from the MHA parent it was pooled from. The teacher runs alongside:
+    `convert.teacher_topk` precomputes over a language model's blocks and is refused here."""
+
+    name = "seq2seq_distill"
+    trainer_class = ZooSeq2SeqDistillationTrainer
+    teacher_class = AutoModelForSeq2SeqLM
+
+    def __init__(self, conversion: ConversionArguments) -> None:
+        if conversion.teacher_topk is not None:
+            raise UserError(
+                f"convert.teacher_topk={conversion.teacher_topk} precomputes over a language model's blocks; a "
+                f"translator distils from its teacher run alongside: leave convert.teacher_topk empty."
+            )
+        super().__init__(conversion)
+
+
+TASKS: dict[str, type[Task]] = {
+    task.name: task for task in (CausalLMTask, TranslationTask, DistillationTask, TranslationDistillationTask)
+}
 
 
 def task_for(model_args: ModelArguments) -> Task:
     """The task of a run: `model.task` or what the model is (`ModelArguments.seq2seq`), distillation where the
     `convert` section asks for it."""
+    conversion = model_args.conversion
     if model_args.seq2seq:
-        if model_args.conversion.distill:
-            raise UserError("convert.distill distils a language model; a translator trains on its pairs' labels.")
-        return TranslationTask()
-    return DistillationTask(model_args.conversion) if model_args.conversion.distill else CausalLMTask()
+        return TranslationDistillationTask(conversion) if conversion.distill else TranslationTask()
+    return DistillationTask(conversion) if conversion.distill else CausalLMTask()

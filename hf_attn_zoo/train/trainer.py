@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.utils.data import DataLoader
@@ -169,6 +170,9 @@ class ZooDistillationTrainer(ZooTrainer):
     columns a batch carries (precomputed once). Evaluation keeps the labels' cross-entropy, so that validation
     perplexity means what it means for every other run."""
 
+    # a language model's logits at t predict label t + 1 (transformers' shift); a decoder's predict label t
+    shifted_labels: ClassVar[bool] = True
+
     def __init__(self, *args, teacher=None, temperature: float = 1.0, alpha: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.teacher, self.temperature, self.alpha = teacher, temperature, alpha
@@ -188,17 +192,35 @@ class ZooDistillationTrainer(ZooTrainer):
         labels = inputs.pop("labels", None)
         outputs = model(**inputs, use_cache=False)  # (B, T, V) logits, no loss
         settings = {"temperature": self.temperature, "alpha": self.alpha, "num_items_in_batch": num_items_in_batch}
-        if columns:
+        if columns:  # precomputed over a language model's blocks (refused for a translator by its task)
             check_precomputed_temperature(columns, self.temperature)
             teacher_columns = (columns[TOPK_IDS].long(), columns[TOPK_LOGPROBS], columns[TAIL_LOGPROB])
             loss = topk_distillation_loss(outputs.logits, *teacher_columns, labels, **settings)
         elif self.teacher is not None:
             with torch.no_grad():
                 teacher_logits = self.teacher(**inputs, use_cache=False).logits  # (B, T, V)
-            loss = distillation_loss(outputs.logits, teacher_logits, labels, **settings)
+            loss = distillation_loss(outputs.logits, teacher_logits, labels, shift=self.shifted_labels, **settings)
         else:
             raise ValueError("distillation needs a teacher to run alongside or its top-k columns in every batch.")
         return (loss, outputs) if return_outputs else loss
+
+
+class ZooSeq2SeqDistillationTrainer(ZooDistillationTrainer, ZooSeq2SeqTrainer):
+    """A translator learning from a teacher translator's distribution over each next target token, given the same
+    source and target prefix (word-level distillation, Kim & Rush 2016): `ZooDistillationTrainer`'s loss on the
+    decoder's logits, which predict their labels in place, with `ZooSeq2SeqTrainer`'s batches, word dropout (the
+    teacher reads the same dropped inputs as the student) and evaluation by `generate()`."""
+
+    shifted_labels = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # the distillation loss; at alpha 1 the loss is ZooSeq2SeqTrainer's own, which drops the words itself
+        if model.training and self.alpha != 1:
+            inputs = dict(inputs)
+            if "decoder_input_ids" not in inputs:  # the loss pops the labels: the decoder reads them shifted first
+                inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=inputs["labels"])
+            inputs = self.drop_words(model, inputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 def token_batches(pairs, args: TrainingArguments) -> TokenBatchSampler:
