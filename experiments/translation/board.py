@@ -1,5 +1,5 @@
 """The translation board: the notes' claims about attention in sequence to sequence, and GQA uptraining in the
-encoder-decoder setting of Ainslie et al. 2023, measured under one recipe with seeds and noise.
+encoder-decoder setting of Ainslie et al. 2023, measured through the training path with seeds and noise.
 
 Corpus: English -> Spanish verse pairs of the Bible (`--data_dir`, a `pairs.tsv` with columns ref, en, es), split by
 book: validation `--validation_books` (Mark), test `--test_books` (Luke, Acts), training every other book, so no verse
@@ -8,8 +8,12 @@ and Spanish together and kept in `<output_dir>/tokenizer` (a resumed board token
 whose source or target is longer than `--max_length` tokens are dropped (the board states how many); the test sample
 is `--test_pairs` verses of the test books drawn once with a fixed seed among those that fit.
 
-A *cell* is one (family, configuration, seed), each trained on `--budget` source + target tokens by one recipe
-(AdamW, linear warm-up then cosine decay, batches of `--batch_size` pairs of similar length):
+A *cell* is one (family, configuration, seed), each a run of the package's training path (`hf-attn-zoo train`'s
+`run_training`) on `--budget` source + target tokens of the board's pairs, tokenized by the board's BPE, under its
+family's recipe: `--recipe` (the Transformer's hour recipe: token-count batches, label smoothing, dropout, its
+optimizer and Marian's layer) for the Transformer, native and encoder cells, `--rnn_recipe` for the RNNs; the warm-up
+is `--warmup_fraction` of a cell's steps, then the recipe's decay; the board scores the final model. The runs train
+and save under `--cells_dir` (default `<output_dir>/cells`, not committed):
 - `rnn`: the GRU encoder-decoder (`zoo_rnn`) without attention, with Bahdanau's and with Luong's attention;
 - `transformer`: the zoo encoder-decoder with MHA, GQA and MQA (the decoder's self- and cross-attention pooled to
   `--gqa_key_value_heads` / one key/value head, the encoder multi-head, as the paper's T5) and with Bahdanau's
@@ -19,8 +23,10 @@ A *cell* is one (family, configuration, seed), each trained on `--budget` source
 - `encoder`: the variants with a bidirectional form as whole encoder-decoders (the zoo builds both stacks from one
   variant: the encoder its bidirectional form, the decoder its causal form) under MHA cross-attention;
 - `parent` and `uptrain`: an MHA parent trained on `--parent_factor` budgets (one seed), converted by every
-  `--uptrain_methods` to GQA and MQA in the decoder's self- and cross-attention (`seq2seq_mha_to_gqa`), then
-  uptrained on `--alphas` of the parent's steps (alpha 0: the conversion alone, deterministic, one cell).
+  `--uptrain_methods` to GQA and MQA in the decoder's self- and cross-attention (the recipe's
+  `convert.num_key_value_heads`, calibrated methods fitted on the first `--calibration_pairs` training pairs), then
+  uptrained on `--alphas` of the parent's tokens (`convert.uptrain_fraction`; alpha 0: the conversion alone,
+  deterministic, one cell).
 Parameters are matched within 1% of the MHA transformer's (total, the shared embedding counted once): a
 transformer's (and Marian's) MLP width, an RNN's state size solved for it.
 
@@ -32,25 +38,26 @@ skips finished cells, retries failed ones and refuses other defining options. bo
 their verdicts) and the plots are rewritten after every cell; "A beats B" only where the seeds' ranges do not
 overlap.
 
-    python -m experiments translation [--seeds 0 1 2] [--budget 300000] [--hidden_size 128]
+    python -m experiments translation [--seeds 0 1 2] [--budget 1500000] [--output_dir DIR]
 
 This module runs the board (corpus, models, training, scoring through `hf_attn_zoo.evaluation.translation`, the loop
 over cells); cells.py holds its options and cells, claims.py the verdicts, report.py the tables and figures.
 """
 
 import csv
-import math
+import functools
+import json
 import random
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, MarianMTModel
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianMTModel
 from transformers.cache_utils import EncoderDecoderCache
 
 from experiments.common import Benchmark, Board, main
@@ -58,20 +65,19 @@ from experiments.speed.scaling import cache_nbytes
 from experiments.translation.cells import Cell, TranslationSetup, bucket_names, bucket_of, plan
 from experiments.translation.native import marian_config
 from experiments.translation.report import board_figures, write_board
-from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
-from hf_attn_zoo.convert.pooling import seq2seq_mha_to_gqa
 from hf_attn_zoo.data import train_byte_level_bpe
 from hf_attn_zoo.errors import one_line
 from hf_attn_zoo.evaluation.attention_maps import cross_attention_map
 from hf_attn_zoo.evaluation.translation import (
     generate_translations,
     reference_perplexity,
-    set_generation_config,
     translation_metric,
 )
 from hf_attn_zoo.models import SEQ2SEQ
 from hf_attn_zoo.models.compat_zoo import CACHE_KWARG
 from hf_attn_zoo.pairs import seq2seq_tokenizer
+from hf_attn_zoo.train import load_recipe, run_training
+from hf_attn_zoo.train.batching import TokenBatchSampler
 
 BOOK = re.compile(r"^(.*) \d+:\d+$")  # "1 John 3:16" -> "1 John"
 MLP_MULTIPLE = 8
@@ -170,11 +176,28 @@ def special_tokens(tokenizer) -> dict:
     }
 
 
+def recipe_model(recipe: str) -> tuple[str | None, dict]:
+    """(preset size, config fields) of a recipe's model section, as its run builds the model: the layout every cell
+    of its family is built with."""
+    size, fields = _recipe_model(recipe)
+    return size, dict(fields)
+
+
+@functools.cache
+def _recipe_model(recipe: str) -> tuple[str | None, dict]:
+    model_args, _, _ = load_recipe(recipe)
+    return model_args.size or None, model_args.config_fields()
+
+
 def transformer_spec(setup: TranslationSetup, family: str, config: str, tokens: dict) -> tuple[str, dict]:
-    """(variant, config fields before the MLP is matched) of a Transformer cell."""
+    """(variant, config fields before the MLP is matched) of a Transformer cell: the Transformer recipe's layout
+    (`--recipe`'s model config) at the board's sizes."""
     heads, layers = setup.num_attention_heads, setup.num_layers
+    _, layout = recipe_model(setup.recipe_path)
     fields = {
+        **layout,
         **tokens,
+        "is_encoder_decoder": True,
         "hidden_size": setup.hidden_size,
         "num_hidden_layers": layers,
         "encoder_layers": layers,
@@ -183,6 +206,7 @@ def transformer_spec(setup: TranslationSetup, family: str, config: str, tokens: 
         "max_position_embeddings": setup.max_length + 1,  # a target of max_length behind the start token
         "tie_word_embeddings": True,
     }
+    fields.pop("intermediate_size", None)  # matched per cell
     if family == "encoder":
         variant = config
         defaults = SEQ2SEQ[variant].config_class()
@@ -207,178 +231,161 @@ def transformer_spec(setup: TranslationSetup, family: str, config: str, tokens: 
     raise SystemExit(f"unknown Transformer cell {config!r}: use mha, gqa, mqa or additive")
 
 
-def parameter_count(variant: str, fields: dict) -> int:
-    """Parameters of a model of `fields`, counted on the meta device (nothing allocated; tied weights once)."""
+def parameter_count(variant: str, fields: dict, size: str | None) -> int:
+    """Parameters of a model of `fields` (over preset `size`), counted on the meta device (nothing allocated; tied
+    weights once)."""
     with torch.device("meta"):
-        model = instantiate(variant, fields)
+        model = instantiate(variant, fields, size)
     return sum(p.numel() for p in model.parameters())
 
 
-def instantiate(variant: str, fields: dict):
-    """A fresh model: a zoo encoder-decoder of `variant`, or (`marian`) the native control, whose fields are the
-    MHA Transformer's with Marian's MLP width (`marian_ffn`)."""
+def instantiate(variant: str, fields: dict, size: str | None):
+    """A fresh model: a zoo encoder-decoder of `variant` (over preset `size`, as the recipe's run builds it), or
+    (`marian`) the native control, whose fields are the MHA Transformer's with Marian's MLP width (`marian_ffn`)."""
     if variant == "marian":
-        zoo = SEQ2SEQ["mha"].config(None, **{k: v for k, v in fields.items() if k != "marian_ffn"})
+        zoo = SEQ2SEQ["mha"].config(size, **{k: v for k, v in fields.items() if k != "marian_ffn"})
         return MarianMTModel(marian_config(zoo, fields["marian_ffn"], fields["max_position_embeddings"]))
-    return SEQ2SEQ[variant].build(None, **fields)
+    return SEQ2SEQ[variant].build(size, **fields)
 
 
-def match_marian(fields: dict, target: int) -> tuple[dict, int]:
+def match_marian(fields: dict, target: int, size: str | None) -> tuple[dict, int]:
     """The MHA Transformer's `fields` with the Marian MLP width (a multiple of 8) whose parameter count is nearest
     `target` (linear in it), starting from 1.5 times the zoo's gated width (as many MLP weights)."""
-    start = 3 * SEQ2SEQ["mha"].config(None, **fields).intermediate_size // 2
-    at_start = parameter_count("marian", {**fields, "marian_ffn": start})
-    per_unit = (parameter_count("marian", {**fields, "marian_ffn": start + 64}) - at_start) / 64
+    start = 3 * SEQ2SEQ["mha"].config(size, **fields).intermediate_size // 2
+    at_start = parameter_count("marian", {**fields, "marian_ffn": start}, size)
+    per_unit = (parameter_count("marian", {**fields, "marian_ffn": start + 64}, size) - at_start) / 64
     width = max(MLP_MULTIPLE, round((start + (target - at_start) / per_unit) / MLP_MULTIPLE) * MLP_MULTIPLE)
     matched = {**fields, "marian_ffn": width}
-    return matched, parameter_count("marian", matched)
+    return matched, parameter_count("marian", matched, size)
 
 
 def rnn_fields(setup: TranslationSetup, attention: str, tokens: dict, state: int) -> dict:
-    return {
-        **tokens,
-        "hidden_size": setup.hidden_size,
-        "rnn_hidden_size": state,
-        "attention": attention,
-        "dropout": 0.0,  # as the Transformers: one recipe, no regularisation at this budget
-    }
+    """The RNN recipe's config fields (`--rnn_recipe`) with the board's width, the attention and the state size."""
+    _, fields = recipe_model(setup.rnn_recipe_path)
+    return {**fields, **tokens, "hidden_size": setup.hidden_size, "rnn_hidden_size": state, "attention": attention}
 
 
 def match_rnn(setup: TranslationSetup, attention: str, tokens: dict, target: int) -> tuple[dict, int]:
     """The RNN's fields with the state size whose parameter count is nearest `target` (bisection: the count grows
     with it)."""
+    size, _ = recipe_model(setup.rnn_recipe_path)
+
+    def count(state: int) -> int:
+        return parameter_count("rnn", rnn_fields(setup, attention, tokens, state), size)
+
     low, high = 1, 16 * setup.hidden_size
     while high - low > 1:
         middle = (low + high) // 2
-        if parameter_count("rnn", rnn_fields(setup, attention, tokens, middle)) < target:
+        if count(middle) < target:
             low = middle
         else:
             high = middle
-    state = min(
-        (low, high), key=lambda n: abs(parameter_count("rnn", rnn_fields(setup, attention, tokens, n)) - target)
-    )
-    fields = rnn_fields(setup, attention, tokens, state)
-    return fields, parameter_count("rnn", fields)
+    state = min((low, high), key=lambda n: abs(count(n) - target))
+    return rnn_fields(setup, attention, tokens, state), count(state)
 
 
-def match_mlp(variant: str, fields: dict, target: int) -> tuple[dict, int]:
+def match_mlp(variant: str, fields: dict, target: int, size: str | None) -> tuple[dict, int]:
     """`fields` with the MLP width (a multiple of 8) whose parameter count is nearest `target` (linear in it)."""
-    start = SEQ2SEQ[variant].config(None, **fields).intermediate_size
-    at_start = parameter_count(variant, {**fields, "intermediate_size": start})
-    per_unit = (parameter_count(variant, {**fields, "intermediate_size": start + 64}) - at_start) / 64
+    start = SEQ2SEQ[variant].config(size, **fields).intermediate_size
+    at_start = parameter_count(variant, {**fields, "intermediate_size": start}, size)
+    per_unit = (parameter_count(variant, {**fields, "intermediate_size": start + 64}, size) - at_start) / 64
     width = max(MLP_MULTIPLE, round((start + (target - at_start) / per_unit) / MLP_MULTIPLE) * MLP_MULTIPLE)
     matched = {**fields, "intermediate_size": width}
-    return matched, parameter_count(variant, matched)
+    return matched, parameter_count(variant, matched, size)
 
 
 def cell_spec(setup: TranslationSetup, cell: Cell, tokens: dict) -> tuple[str, dict, int, int]:
     """(variant, config fields, parameters, the MHA Transformer's parameters they match) of a cell; `ValueError`
     where no width gets within 1%."""
+    size, _ = recipe_model(setup.recipe_path)
     reference_variant, reference = transformer_spec(setup, "transformer", "mha", tokens)
-    target = parameter_count(reference_variant, reference)
+    target = parameter_count(reference_variant, reference, size)
     if cell.family == "rnn":
         variant, (fields, count) = "rnn", match_rnn(setup, cell.config, tokens, target)
     elif cell.family == "native":
-        variant, (fields, count) = cell.config, match_marian(reference, target)
+        variant, (fields, count) = cell.config, match_marian(reference, target, size)
     elif cell.family in ("parent", "uptrain"):
         variant, fields, count = reference_variant, reference, target  # conversions keep the parent's MLP
     else:
         variant, fields = transformer_spec(setup, cell.family, cell.config, tokens)
-        fields, count = match_mlp(variant, fields, target)
+        fields, count = match_mlp(variant, fields, target, size)
     if cell.family != "uptrain" and abs(count / target - 1) > MATCH_TOLERANCE:
         raise ValueError(f"{cell.config}: {count:,} parameters, more than 1% from the MHA Transformer's {target:,}")
     return variant, fields, count, target
 
 
-def build(variant: str, fields: dict, seed: int, tokenizer, max_length: int):
-    """The model of a cell, initialised from `seed`, with what `generate()` needs (the package's
-    `set_generation_config`: the tokenizer's special tokens, the start token, a translation of at most `max_length`
-    tokens behind it)."""
-    torch.manual_seed(seed)
-    model = instantiate(variant, fields)
-    set_generation_config(model, tokenizer, max_length=max_length + 1)
-    return model
+# ---------------------------------------------------------------------------------------------------------------
+# Training: every cell is a run of the package's training path (`hf_attn_zoo.train.run_training`)
+
+
+def cell_folder(setup: TranslationSetup, cell: Cell) -> Path:
+    """Where a cell's run trains and saves its model (`final`): under `--cells_dir`, never the results folder."""
+    return Path(setup.cells_dir or Path(setup.output_dir) / "cells") / cell.name
+
+
+def tokens_per_step(corpus: Corpus, recipe: str) -> float:
+    """Real source + target tokens a step of `recipe`'s batches reads on the board's training pairs, as the training
+    path counts them: token-count batches over length buckets (`training.batch_tokens`), or a number of pairs."""
+    _, _, training = load_recipe(recipe)
+    sources, targets = [len(s) for s, _ in corpus.train], [len(t) for _, t in corpus.train]
+    if training.batch_tokens:
+        return TokenBatchSampler(sources, targets, training.batch_tokens, seed=training.seed).mean_batch_tokens()
+    return training.per_device_train_batch_size * statistics.fmean(s + t for s, t in zip(sources, targets))
+
+
+def steps_for(tokens: float, corpus: Corpus, recipe: str) -> int:
+    return max(1, round(tokens / tokens_per_step(corpus, recipe)))
+
+
+def run_arguments(setup: TranslationSetup, cell: Cell, recipe: str, folder: Path, steps: int) -> list[str]:
+    """The command-line overrides that make `recipe` train one cell: the board's data, split and tokenizer, `steps`
+    steps with the warm-up a fraction of them, the cell's seed, no evaluation or checkpoint during the run (the
+    board scores the final model), on `--device`."""
+    corpus_file = str(Path(setup.data_dir) / "pairs.tsv")
+    return [
+        *("--model.task", "seq2seq"),
+        *("--data.train_files", corpus_file, "--data.source_field", "en", "--data.target_field", "es"),
+        *("--data.split_by", "ref", "--data.split_pattern", BOOK.pattern),
+        *("--data.validation_groups", *setup.validation_books, "--data.test_groups", *setup.test_books),
+        *("--data.tokenizer", str(Path(setup.output_dir) / "tokenizer")),
+        *("--data.max_source_length", str(setup.max_length), "--data.max_target_length", str(setup.max_length)),
+        *("--data.long_pairs", "drop"),
+        *("--training.output_dir", str(folder), "--training.max_steps", str(steps)),
+        *("--training.warmup_steps", str(max(1, round(setup.warmup_fraction * steps)))),
+        *("--training.eval_strategy", "no", "--training.save_strategy", "no", "--training.average_checkpoints", "1"),
+        *("--training.logging_steps", str(max(1, steps // 20)), "--training.seed", str(cell.seed)),
+        *("--training.report_to", "none", "--training.use_cpu", str(setup.device == "cpu").lower()),
+    ]
+
+
+def train_cell(setup: TranslationSetup, cell: Cell, recipe: str, steps: int, model_args: list[str]) -> dict:
+    """Train one cell through the training path; what its summary says of the run."""
+    folder = cell_folder(setup, cell)
+    arguments = [*model_args, *run_arguments(setup, cell, recipe, folder, steps)]
+    start = time.perf_counter()
+    summary = run_training(*load_recipe(recipe, arguments))
+    run_seconds = time.perf_counter() - start  # data, model (and conversion), training, the run's own evaluation
+    losses = summary["losses"]
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {
+        "steps": summary["steps"],
+        "train_tokens": summary["train_tokens"],
+        "train_seconds": summary["seconds"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "final_loss": round(statistics.fmean(tail), 4) if tail else None,
+        "validation_bleu_full": summary["validation_bleu"],  # greedy, every verse of the validation books
+        "run_seconds": round(run_seconds, 1),
+    }
+
+
+def trained(setup: TranslationSetup, cell: Cell):
+    """The final model a cell's run saved, on `--device`, for scoring."""
+    final = cell_folder(setup, cell) / "final"
+    return AutoModelForSeq2SeqLM.from_pretrained(final).to(setup.device).eval()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Training and evaluation
-
-
-def batches(pairs: list[tuple[list[int], list[int]]], size: int, seed: int) -> Iterator[list]:
-    """Endless batches of `size` pairs: each epoch shuffled by `seed`, then sorted by length within chunks of 50
-    batches (little padding) and the batches shuffled again."""
-    epoch = 0
-    while True:
-        order = list(pairs)
-        rng = random.Random(seed * 1000 + epoch)
-        rng.shuffle(order)
-        chunk = 50 * size
-        epoch_batches = []
-        for start in range(0, len(order), chunk):
-            part = sorted(order[start : start + chunk], key=lambda pair: len(pair[0]) + len(pair[1]))
-            epoch_batches += [part[i : i + size] for i in range(0, len(part), size)]
-        rng.shuffle(epoch_batches)
-        yield from epoch_batches
-        epoch += 1
-
-
-def collate(pairs: list, pad: int) -> dict[str, torch.Tensor]:
-    """Sources padded on the right with `pad` (and their mask), labels with -100."""
-    width_source = max(len(source) for source, _ in pairs)
-    width_target = max(len(target) for _, target in pairs)
-    input_ids = torch.full((len(pairs), width_source), pad)  # (B, S)
-    labels = torch.full((len(pairs), width_target), -100)  # (B, T)
-    for row, (source, target) in enumerate(pairs):
-        input_ids[row, : len(source)] = torch.tensor(source)
-        labels[row, : len(target)] = torch.tensor(target)
-    mask = torch.zeros_like(input_ids)
-    for row, (source, _) in enumerate(pairs):
-        mask[row, : len(source)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
-
-
-def steps_for(tokens: float, corpus: Corpus, setup: TranslationSetup) -> int:
-    per_pair = statistics.fmean(len(s) + len(t) for s, t in corpus.train)
-    return max(1, round(tokens / (per_pair * setup.batch_size)))
-
-
-def train(model, corpus: Corpus, setup: TranslationSetup, steps: int, seed: int, learning_rate: float) -> dict:
-    """`steps` AdamW steps (warm-up, cosine decay, gradients clipped at 1); tokens, seconds and the losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(1, round(setup.warmup_fraction * steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    model.train()
-    stream = batches(corpus.train, setup.batch_size, seed)
-    pad = corpus.tokenizer.pad_token_id
-    tokens, losses = 0, []
-    start = time.perf_counter()
-    for _ in range(steps):
-        pairs = next(stream)
-        batch = {name: tensor.to(model.device) for name, tensor in collate(pairs, pad).items()}
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += sum(len(s) + len(t) for s, t in pairs)
-        losses.append(loss.item())
-    seconds = time.perf_counter() - start
-    model.eval()
-    tail = losses[-max(1, len(losses) // 10) :]
-    return {
-        "steps": steps,
-        "train_tokens": tokens,
-        "train_seconds": round(seconds, 2),
-        "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
-        "final_loss": round(statistics.fmean(tail), 4),
-    }
+# Evaluation
 
 
 def bleu_chrf(translations: list[str], references: list[str]) -> tuple[float, float]:
@@ -414,8 +421,8 @@ def cross_cache_bytes(model, setup: TranslationSetup) -> float:
     source = torch.randint(3, config.vocab_size, (rows, source_length), generator=torch.Generator().manual_seed(2))
     out = model.generate(
         source.to(model.device),
-        max_new_tokens=2,
-        min_new_tokens=2,
+        max_length=3,  # the start token and two new ones, said as the saved generation config says its limit
+        min_length=3,
         do_sample=False,
         num_beams=1,
         return_dict_in_generate=True,
@@ -481,19 +488,24 @@ def evaluate(model, corpus: Corpus, setup: TranslationSetup, beams: bool) -> dic
 # Cells
 
 
-def parent_folder(setup: TranslationSetup) -> Path:
-    return Path(setup.output_dir) / "parent"
+def parent_cell(setup: TranslationSetup) -> Cell:
+    return Cell("parent", "mha", setup.seeds[0])
 
 
-def parent_model(setup: TranslationSetup, corpus: Corpus):
-    """The trained MHA parent, as the parent cell saved it, on the CPU (conversions run there)."""
-    path = parent_folder(setup) / "model.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"no {path}: the parent cell has not finished")
-    variant, fields, _, _ = cell_spec(setup, Cell("parent", "mha", setup.seeds[0]), special_tokens(corpus.tokenizer))
-    model = build(variant, fields, setup.seeds[0], corpus.tokenizer, setup.max_length)
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return model.eval()
+def model_arguments(setup: TranslationSetup, cell: Cell, variant: str, fields: dict) -> tuple[str, list[str]]:
+    """(the recipe a cell trains by, the model overrides that build it): the RNN recipe for RNNs, the Transformer
+    recipe for the rest; a fresh model of `variant` and `fields` over the recipe's own config, or, for the native
+    control, the fresh `MarianMTModel` written first into the cell's folder (`init`) for `model.init_from`."""
+    recipe, rnn_recipe = setup.recipe_path, setup.rnn_recipe_path
+    if cell.family == "rnn":
+        return rnn_recipe, ["--model.variant", "rnn", "--model.config", json.dumps(fields)]
+    if cell.family == "native":
+        init = cell_folder(setup, cell) / "init"
+        torch.manual_seed(cell.seed)
+        instantiate(variant, fields, recipe_model(setup.recipe_path)[0]).save_pretrained(init)
+        AutoTokenizer.from_pretrained(Path(setup.output_dir) / "tokenizer").save_pretrained(init)
+        return recipe, ["--model.init_from", str(init)]
+    return recipe, ["--model.variant", variant, "--model.config", json.dumps(fields)]
 
 
 def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
@@ -518,37 +530,32 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
     else:
         row["intermediate_size"] = fields.get("intermediate_size")
     if cell.family == "uptrain":
+        # the parent's run converted (convert.num_key_value_heads, fitted on the first training pairs where the
+        # method is calibrated) and uptrained for alpha of the parent's tokens, all in the training path
         target_kind, method, alpha = cell.config.split("-")
         alpha = float(alpha)
-        parent = parent_model(setup, corpus)
         groups = setup.gqa_key_value_heads if target_kind == "gqa" else 1
-        calibration = None
-        if method in CALIBRATION_METHODS:
-            calibration = [
-                (torch.tensor([s]), torch.tensor([t])) for s, t in corpus.train[: setup.calibration_pairs]
-            ]  # (1, S), (1, T) each
-        start = time.perf_counter()
-        model = seq2seq_mha_to_gqa(parent, groups, method, calibration=calibration).to(setup.device)
-        row["conversion_seconds"] = round(time.perf_counter() - start, 2)
+        parent = cell_folder(setup, parent_cell(setup)) / "final"
+        if not parent.is_dir():
+            raise FileNotFoundError(f"no {parent}: the parent cell has not finished")
+        calibration = sum(len(s) + len(t) for s, t in corpus.train[: setup.calibration_pairs])
+        model_args = ["--model.init_from", str(parent), "--convert.num_key_value_heads", str(groups)]
+        model_args += ["--convert.method", method, "--convert.calibration_tokens", str(calibration)]
+        model_args += ["--convert.uptrain_fraction", str(alpha)]
+        model_args += ["--training.learning_rate", str(setup.uptrain_learning_rate)]
+        parent_steps = json.loads((parent / "training_summary.json").read_text())["steps"]
+        steps = max(1, round(alpha * parent_steps))  # for the warm-up; the fraction sets the run's own steps
         row |= {"target": target_kind, "method": method, "alpha": alpha, "key_value_heads": groups}
+        row |= train_cell(setup, cell, setup.recipe_path, steps, model_args)
+        model = trained(setup, cell)
         row["parameters"] = sum(p.numel() for p in model.parameters())
-        parent_steps = steps_for(setup.parent_factor * setup.budget, corpus, setup)
-        if alpha > 0:
-            torch.manual_seed(cell.seed)
-            steps = max(1, round(alpha * parent_steps))
-            row |= train(model, corpus, setup, steps, cell.seed, setup.uptrain_learning_rate)
-        else:
-            row |= {"steps": 0, "train_tokens": 0, "train_seconds": 0.0, "tokens_per_second": 0.0}
         row |= evaluate(model, corpus, setup, beams=False)
     else:
-        model = build(variant, fields, cell.seed, corpus.tokenizer, setup.max_length).to(setup.device)
+        recipe, model_args = model_arguments(setup, cell, variant, fields)
         factor = setup.parent_factor if cell.family == "parent" else 1.0
-        steps = steps_for(factor * setup.budget, corpus, setup)
-        row |= train(model, corpus, setup, steps, cell.seed, setup.learning_rate)
+        row |= train_cell(setup, cell, recipe, steps_for(factor * setup.budget, corpus, recipe), model_args)
+        model = trained(setup, cell)
         row |= evaluate(model, corpus, setup, beams=True)
-        if cell.family == "parent":
-            parent_folder(setup).mkdir(parents=True, exist_ok=True)
-            torch.save(model.state_dict(), parent_folder(setup) / "model.pt")
         drawn = {("rnn", "bahdanau"), ("rnn", "luong"), ("transformer", "mha")}
         if cell.seed == setup.seeds[0] and (cell.family, cell.config) in drawn:
             row["alignment"] = alignment(model, corpus.tokenizer, corpus, setup)

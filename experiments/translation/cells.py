@@ -45,16 +45,28 @@ class TranslationSetup(Results):
     alphas: list[float] = field(
         default_factory=lambda: [0.0, 0.05], metadata={"help": "uptraining steps as a fraction of the parent's"}
     )
-    budget: int = field(default=300_000, metadata={"help": "training tokens (source + target) per cell"})
-    hidden_size: int = field(default=128, metadata={"help": "width of every model (the RNN's embedding)"})
-    num_layers: int = field(default=2, metadata={"help": "encoder layers and decoder layers of a Transformer"})
+    recipe: str = field(
+        default="configs/train/bible_en_es_transformer.yaml",
+        metadata={
+            "help": "training recipe of the Transformer, native and encoder cells: its training section and "
+            "its model config (the layout), at the board's sizes"
+        },
+    )
+    rnn_recipe: str = field(
+        default="configs/train/bible_en_es_rnn.yaml",
+        metadata={"help": "training recipe of the RNN cells: its training section and its model preset"},
+    )
+    cells_dir: str = field(
+        default="", metadata={"help": "where the cells' runs train and save their models (default: output_dir/cells)"}
+    )
+    budget: int = field(default=1_500_000, metadata={"help": "training tokens (source + target) per cell"})
+    hidden_size: int = field(default=256, metadata={"help": "width of every model (the RNN's embedding)"})
+    num_layers: int = field(default=3, metadata={"help": "encoder layers and decoder layers of a Transformer"})
     num_attention_heads: int = field(default=4, metadata={"help": "query heads of every Transformer"})
     gqa_key_value_heads: int = field(default=2, metadata={"help": "key/value heads of GQA (decoder)"})
-    vocab_size: int = field(default=4000, metadata={"help": "the shared BPE's vocabulary"})
+    vocab_size: int = field(default=8000, metadata={"help": "the shared BPE's vocabulary"})
     max_length: int = field(default=64, metadata={"help": "longest source / target in tokens (longer pairs dropped)"})
-    batch_size: int = field(default=16, metadata={"help": "pairs per step"})
-    learning_rate: float = field(default=2e-3, metadata={"help": "peak learning rate of every cell"})
-    warmup_fraction: float = field(default=0.05, metadata={"help": "warm-up steps as a fraction of a run's"})
+    warmup_fraction: float = field(default=0.1, metadata={"help": "warm-up steps as a fraction of a run's"})
     uptrain_learning_rate: float = field(
         default=5e-4, metadata={"help": "peak learning rate of the uptraining runs (short: a lower peak)"}
     )
@@ -80,6 +92,8 @@ class TranslationSetup(Results):
     DEFINING = (
         "validation_books",
         "test_books",
+        "recipe",
+        "rnn_recipe",
         "budget",
         "hidden_size",
         "num_layers",
@@ -87,8 +101,6 @@ class TranslationSetup(Results):
         "gqa_key_value_heads",
         "vocab_size",
         "max_length",
-        "batch_size",
-        "learning_rate",
         "warmup_fraction",
         "uptrain_learning_rate",
         "fields",
@@ -105,6 +117,20 @@ class TranslationSetup(Results):
 
     def extra_fields(self) -> dict:
         return config_fields(self.fields)
+
+    @property
+    def recipe_path(self) -> str:
+        return repository_path(self.recipe)
+
+    @property
+    def rnn_recipe_path(self) -> str:
+        return repository_path(self.rnn_recipe)
+
+
+def repository_path(path: str) -> str:
+    """A path option as given where it exists (or is absolute), else under the repository: the recipes' defaults,
+    stored relative so that a board resumes from another clone."""
+    return str(Path(path) if Path(path).is_absolute() or Path(path).exists() else REPOSITORY / path)
 
 
 @dataclass(frozen=True)

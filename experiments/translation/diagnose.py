@@ -4,7 +4,7 @@ sentences whatever the input).
 
 One run trains one model (`--model zoo` or `marian`; `--config` adds zoo config fields, the ablations) with Adam,
 linear warm-up then cosine decay, gradients clipped at 1, on batches of `--batch_size` pairs of similar length
-(`board.batches`), and writes one JSON row to `--output`:
+(`batches`), and writes one JSON row to `--output`:
 - every `--eval_every` steps and at the end, the validation references' perplexity with their own sources and
   with the sources shuffled among the pairs (`shuffle_ratio`: a model that reads its source loses much; one that
   does not, nothing);
@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,11 +38,44 @@ from transformers import AutoTokenizer, MarianConfig, MarianMTModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from experiments.translation.board import BOOK, batches, bleu_chrf, collate  # noqa: E402
+from experiments.translation.board import BOOK, bleu_chrf  # noqa: E402
 from hf_attn_zoo.data import train_byte_level_bpe  # noqa: E402
 from hf_attn_zoo.models import SEQ2SEQ  # noqa: E402
 from hf_attn_zoo.pairs import seq2seq_tokenizer  # noqa: E402
 from hf_attn_zoo.train.trainer import drop_words  # noqa: E402
+
+
+def batches(pairs: list[tuple[list[int], list[int]]], size: int, seed: int) -> Iterator[list]:
+    """Endless batches of `size` pairs: each epoch shuffled by `seed`, then sorted by length within chunks of 50
+    batches (little padding) and the batches shuffled again."""
+    epoch = 0
+    while True:
+        order = list(pairs)
+        rng = random.Random(seed * 1000 + epoch)
+        rng.shuffle(order)
+        chunk = 50 * size
+        epoch_batches = []
+        for start in range(0, len(order), chunk):
+            part = sorted(order[start : start + chunk], key=lambda pair: len(pair[0]) + len(pair[1]))
+            epoch_batches += [part[i : i + size] for i in range(0, len(part), size)]
+        rng.shuffle(epoch_batches)
+        yield from epoch_batches
+        epoch += 1
+
+
+def collate(pairs: list, pad: int) -> dict[str, torch.Tensor]:
+    """Sources padded on the right with `pad` (and their mask), labels with -100."""
+    width_source = max(len(source) for source, _ in pairs)
+    width_target = max(len(target) for _, target in pairs)
+    input_ids = torch.full((len(pairs), width_source), pad)  # (B, S)
+    labels = torch.full((len(pairs), width_target), -100)  # (B, T)
+    for row, (source, target) in enumerate(pairs):
+        input_ids[row, : len(source)] = torch.tensor(source)
+        labels[row, : len(target)] = torch.tensor(target)
+    mask = torch.zeros_like(input_ids)
+    for row, (source, _) in enumerate(pairs):
+        mask[row, : len(source)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
 def load_pairs(args) -> tuple:

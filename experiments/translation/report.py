@@ -42,7 +42,9 @@ def board_table(rows: list[dict], setup: TranslationSetup) -> str:
         f"test {', '.join(setup.test_books)}); one BPE of {setup.vocab_size} tokens trained on the training books; "
         f"{first.get('train_pairs', 0):,} training pairs ({first.get('dropped_pairs', 0):,} longer than "
         f"{setup.max_length} tokens dropped). Every cell trained on {setup.budget / 1e3:g}k source + target tokens "
-        f"(batches of {setup.batch_size}, AdamW at {setup.learning_rate:g}, warm-up and cosine decay), Transformers "
+        f"through the training path by its family's recipe ({Path(setup.recipe).name}; RNNs "
+        f"{Path(setup.rnn_recipe).name}: batches, optimizer, label smoothing and dropout as they say, warm-up "
+        f"{setup.warmup_fraction:g} of the steps, then cosine decay), Transformers "
         f"{setup.num_layers} + {setup.num_layers} layers x {setup.hidden_size} with {setup.num_attention_heads} "
         "heads; "
         f"parameters matched within 1% of the MHA Transformer's. Test: {setup.test_pairs} verses of the test books; "
@@ -106,7 +108,7 @@ def board_table(rows: list[dict], setup: TranslationSetup) -> str:
                 f"{head['parameters']:,} | {figure(values(grouped, key))} | {figure(values(grouped, key, 'chrf'))} | "
                 f"{figure(values(grouped, key, 'test_perplexity'), 1)} | "
                 f"{head['cache_bytes_per_source_token']:,.0f} | "
-                f"{figure([r['train_seconds'] + r['conversion_seconds'] for r in cells], 0)} |"
+                f"{figure([r['train_seconds'] + r.get('conversion_seconds', 0) for r in cells], 0)} |"
             )
     total = sum(row.get("cell_seconds", 0) for row in rows)
     lines += [
@@ -318,8 +320,10 @@ def readme_row(rows: list[dict], setup: TranslationSetup) -> str:
     shown = [k for k in keys if k in grouped]
     bleu = ", ".join(f"{label(k)} {statistics.fmean(values(grouped, k)):.2f}" for k in shown)
     ppl = ", ".join(f"{statistics.fmean(values(grouped, k, 'test_perplexity')):.0f}" for k in shown)
+    parameters = grouped[("transformer", "mha")][0]["parameters"] if ("transformer", "mha") in grouped else 0
     measured = (
-        f"English -> Spanish at {setup.budget / 1e3:g}k tokens a cell, 1.5M parameters, mean of the seeds: greedy "
+        f"English -> Spanish at {setup.budget / 1e3:g}k tokens a cell, {parameters / 1e6:.1f}M parameters, mean of "
+        f"the seeds: greedy "
         f"test BLEU {bleu}; test perplexity {ppl}"
     )
     return f"{README_ROW} {measured} | [translation study](docs/translation.md#the-translation-study) |"
