@@ -8,7 +8,8 @@ A script here serves one or more named benchmarks (its `BENCHMARKS`: name -> `Be
     python -m experiments.STUDY.SCRIPT [NAME] [options]    (the same; NAME may be left out where there is one)
 
 Options are the fields of the benchmark's setup dataclass, parsed by transformers' `HfArgumentParser`
-(`--field value`; `--field-name` works as well); `--help` lists them with their defaults. `--replot` redraws a
+(`--field value`; `--field-name` works as well; a list option given `[]`, `''` or `null` is emptied, as a list field of
+the training path's recipes); `--help` lists them with their defaults. `--replot` redraws a
 benchmark's figures from the results file in `--output_dir` (its `<stem>.json`) and nothing else: no run, and the
 tables and JSON stay as they are.
 """
@@ -19,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -308,6 +309,19 @@ class Benchmark:
         return written
 
 
+# what empties a list option (`--encoders []`): argparse's lists take one value at least and would read it as a name.
+# Not `none`, which the recipes also accept: here it names a cell (the translation board's RNN without attention).
+EMPTY_LIST = ("[]", "", "null")
+
+
+def empty_lists(setup: object) -> None:
+    """Empty the list options given one of `EMPTY_LIST` alone."""
+    for option in fields(setup):
+        value = getattr(setup, option.name)
+        if isinstance(value, list) and len(value) == 1 and str(value[0]).strip().lower() in EMPTY_LIST:
+            setattr(setup, option.name, [])
+
+
 def main(benchmarks: dict[str, Benchmark], argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Run the benchmark `argv` names first (or a script's only one) with the options after the name."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -332,6 +346,7 @@ def main(benchmarks: dict[str, Benchmark], argv: Sequence[str] | None = None, pr
     )
     # the setup, and the namespace of the options that are no field of it (--replot)
     setup, options = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
+    empty_lists(setup)
     if not options.replot:
         benchmark.run(setup)
     elif benchmark.figures is None:

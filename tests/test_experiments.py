@@ -94,6 +94,21 @@ def test_an_unknown_experiment_lists_them_all(capsys):
     assert main(["--help"]) == 0 and "quality" in capsys.readouterr().out
 
 
+def test_a_list_option_is_emptied_by_brackets_or_null():
+    """`--encoders []` (or `''`, `null`) empties a list option, as a recipe's list field; `none` alone is a name
+    (the RNN without attention), and other lists stay as given."""
+    from transformers import HfArgumentParser
+
+    from experiments.common import empty_lists
+    from experiments.translation.cells import TranslationSetup
+
+    argv = ["--encoders", "[]", "--natives", "null", "--uptrain_methods", "", "--rnns", "none"]
+    (setup,) = HfArgumentParser(TranslationSetup).parse_args_into_dataclasses([*argv, "--alphas", "0.05"])
+    empty_lists(setup)
+    assert setup.encoders == setup.natives == setup.uptrain_methods == []
+    assert setup.rnns == ["none"] and setup.alphas == [0.05] and setup.seeds == [0, 1, 2]
+
+
 def test_results_default_to_the_studys_folder():
     from experiments.speed.scaling import ScalingSetup
 
