@@ -130,8 +130,15 @@ def test_recipe_fields_that_cannot_work_are_refused(tmp_path):
         load_recipe(RECIPE, [*output, "--training.average_checkpoints", "3", "--training.save_total_limit", "2"])
     with pytest.raises(UserError, match=r"batch_tokens=512 batches pairs .*per_device_train_batch_size"):
         run_training(*load_recipe(TINY_LM, [*output, "--training.batch_tokens", "512"]))
-    with pytest.raises(UserError, match=r"average_checkpoints=2, but .* holds 1 complete checkpoint"):
-        tiny_translation(tmp_path / "few", "--training.average_checkpoints", "2", "--training.save_steps", "6")
+    # more checkpoints averaged than the run will write: refused before training, nothing written
+    few, keep_three = tmp_path / "few", ("--training.save_total_limit", "3")
+    with pytest.raises(UserError, match=r"average_checkpoints=2, but the run writes 1 .*save_steps=6 of 6 steps"):
+        tiny_translation(few, "--training.average_checkpoints", "2", "--training.save_steps", "6")
+    with pytest.raises(UserError, match=r"average_checkpoints=3, but the run writes 2 .*save_steps=3 of 6 steps"):
+        tiny_translation(few, "--training.average_checkpoints", "3", "--training.save_steps", "0.5", *keep_three)
+    with pytest.raises(UserError, match=r"writes 0 checkpoint\(s\) \(training.save_strategy=no\)"):
+        tiny_translation(few, "--training.average_checkpoints", "2", "--training.save_strategy", "no")
+    assert not few.exists()
 
 
 def test_label_smoothing_is_the_smoothed_cross_entropy(tmp_path):

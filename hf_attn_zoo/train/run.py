@@ -19,6 +19,7 @@ model goes to `output_dir/final`, written beside and renamed into place.
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -87,6 +88,27 @@ def check_validation_fills_a_batch(blocks: int, data_args: DataArguments, traini
         )
 
 
+def check_checkpoints_to_average(training_args: ZooTrainingArguments) -> None:
+    """`training.average_checkpoints` needs as many checkpoints as the run will write (one every `save_steps` and one
+    at the last step): refused before training, not after it, where the number of steps is known."""
+    count, steps = training_args.average_checkpoints, training_args.max_steps
+    if count < 2 or steps <= 0:  # nothing averaged, or a run by epochs (its steps known only from the data)
+        return
+    if training_args.save_strategy == "no":
+        written, how = 0, "training.save_strategy=no"
+    elif training_args.save_strategy != "steps":  # by epoch, or the best: how many is known only as the run goes
+        return
+    else:
+        every = training_args.save_steps
+        every = math.ceil(every * steps) if every < 1 else int(every)  # a float below 1 is a fraction of the run
+        written, how = math.ceil(steps / every), f"one every training.save_steps={every} of {steps} steps"
+    if written < count:
+        raise UserError(
+            f"training.average_checkpoints={count}, but the run writes {written} checkpoint(s) ({how}): save more "
+            f"often (training.save_steps), average fewer, or set training.average_checkpoints 1."
+        )
+
+
 def report_finished(finished: dict, training_args: TrainingArguments) -> dict:
     """Say that a resumed run had already finished (nothing trained or written) and return its saved summary."""
     if training_args.process_index == 0:
@@ -140,6 +162,7 @@ def run_training(
     resume = resolve_resume(training_args)
     output_dir = Path(training_args.output_dir)
     task.plan_steps(model_args, data_args, training_args)
+    check_checkpoints_to_average(training_args)
     finished = finished_summary(resume, training_args)
     if finished is not None:  # nothing to train: report the run as it ended, writing nothing
         return report_finished(finished, training_args)
