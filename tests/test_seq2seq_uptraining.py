@@ -142,3 +142,23 @@ def test_precomputed_teacher_columns_are_refused_for_a_translator(parent, tmp_pa
     with pytest.raises(UserError, match=r"convert\.teacher_topk=8 .*leave convert\.teacher_topk empty"):
         run_training(*load_recipe(RECIPE, [*STEPS, *overrides]))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_config_the_checkpoint_does_not_take_is_named(parent, tmp_path):
+    """With model.init_from the checkpoint's config is kept: the recipe's own fields (those the parent was built
+    with) pass in silence, a field that differs is named in a warning with both values."""
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_attn_zoo.train import build
+
+    config = AutoModelForSeq2SeqLM.from_pretrained(parent / "final").config
+    init = ["--model.init_from", str(parent / "final"), "--training.output_dir", str(tmp_path)]
+    model_args, _, _ = load_recipe(RECIPE, init)
+    with CaptureLogger(build.logger) as captured:
+        assert build.warn_unapplied_config(model_args, config) == []
+    assert captured.out == ""
+    model_args, _, _ = load_recipe(RECIPE, [*init, "--model.config", '{"hidden_dropout": 0.3}'])
+    with CaptureLogger(build.logger) as captured:
+        assert build.warn_unapplied_config(model_args, config) == ["hidden_dropout"]
+    assert f"hidden_dropout=0.3 (the checkpoint: {config.hidden_dropout!r})" in captured.out
+    assert "model.config is not applied to model.init_from" in captured.out

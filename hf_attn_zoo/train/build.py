@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from transformers.utils import logging
 
 from ..convert import from_llama, mha_to_gqa, seq2seq_mha_to_gqa
 from ..convert.calibrated import CALIBRATION_METHODS
@@ -15,6 +16,8 @@ from ..data import tokenizer_fields
 from ..errors import MissingPathError, UserError, one_line
 from ..models import SEQ2SEQ, ZooForCausalLM, get_variant
 from .recipe import ConversionArguments, ModelArguments
+
+logger = logging.get_logger(__name__)
 
 
 def parent_train_tokens(init_from: str) -> int:
@@ -28,6 +31,27 @@ def parent_train_tokens(init_from: str) -> int:
     return json.loads(summary_path.read_text())["train_tokens"]
 
 
+def warn_unapplied_config(model_args: ModelArguments, config) -> list[str]:
+    """With `init_from` the checkpoint's config is the model's: the recipe's `model.config` fields are not applied.
+    Say which of them differ from the checkpoint's (a dropout the recipe asks for, say), instead of dropping them in
+    silence; returns their names."""
+    missing = object()
+    differing = {
+        name: value for name, value in model_args.config_fields().items() if getattr(config, name, missing) != value
+    }
+    if differing:
+        given = ", ".join(
+            f"{name}={value!r} (the checkpoint: {getattr(config, name, 'absent')!r})"
+            for name, value in differing.items()
+        )
+        logger.warning(
+            f"model.config is not applied to model.init_from={model_args.init_from}; the checkpoint's config is kept "
+            f"where the recipe says {given}. Change these in the checkpoint's config.json, or train a fresh model "
+            f"(model.variant) to use them."
+        )
+    return sorted(differing)
+
+
 def build_model(model_args: ModelArguments, tokenizer, block_size: int, train_blocks=None):
     """The model to train: from `init_from`, or a fresh one from the preset, the config fields and the tokenizer.
     A calibrated `convert.method` fits on the first `convert.calibration_tokens` of the run's `train_blocks`."""
@@ -36,6 +60,7 @@ def build_model(model_args: ModelArguments, tokenizer, block_size: int, train_bl
         model = AutoModelForCausalLM.from_pretrained(model_args.source, **kwargs)
         if not isinstance(model, ZooForCausalLM):
             model = from_llama(model)
+        warn_unapplied_config(model_args, model.config)
         conversion = model_args.conversion
         if conversion.num_key_value_heads is not None:
             model = mha_to_gqa(
@@ -171,6 +196,7 @@ def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length
     kwargs = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     if model_args.init_from is not None:
         model = AutoModelForSeq2SeqLM.from_pretrained(model_args.source, **kwargs)
+        warn_unapplied_config(model_args, model.config)
         freeze_fixed_positions(model)
         if model_args.conversion.num_key_value_heads is not None:
             model = convert_seq2seq(model, model_args.conversion, train_pairs)
