@@ -162,3 +162,12 @@ def test_a_recipe_config_the_checkpoint_does_not_take_is_named(parent, tmp_path)
         assert build.warn_unapplied_config(model_args, config) == ["hidden_dropout"]
     assert f"hidden_dropout=0.3 (the checkpoint: {config.hidden_dropout!r})" in captured.out
     assert "model.config is not applied to model.init_from" in captured.out
+
+
+def test_averaging_more_checkpoints_than_the_uptraining_writes_is_refused_before_training(parent, tmp_path):
+    """Half the parent's 20 steps with a checkpoint every 20 steps writes one checkpoint: averaging two is refused
+    once the fraction's steps are known (the recipe's 40 steps would have written two), before the first step."""
+    args = ["--convert.uptrain_fraction", "0.5", "--training.average_checkpoints", "2", "--training.max_steps", "40"]
+    with pytest.raises(UserError, match=r"average_checkpoints=2, but the run writes 1 .*save_steps=20 of 10 steps"):
+        convert(parent, tmp_path / "run", *args)
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "final").exists()

@@ -90,7 +90,7 @@ def check_validation_fills_a_batch(blocks: int, data_args: DataArguments, traini
 
 def check_checkpoints_to_average(training_args: ZooTrainingArguments) -> None:
     """`training.average_checkpoints` needs as many checkpoints as the run will write (one every `save_steps` and one
-    at the last step): refused before training, not after it, where the number of steps is known."""
+    at the last step): refused before training, not after it, once the number of steps is known."""
     count, steps = training_args.average_checkpoints, training_args.max_steps
     if count < 2 or steps <= 0:  # nothing averaged, or a run by epochs (its steps known only from the data)
         return
@@ -177,6 +177,7 @@ def run_training(
         trainable = add_mlp_lora(model, model_args.conversion.lora_rank)
         lora = {"lora_rank": model_args.conversion.lora_rank, "trainable_parameters": trainable}
     task.configure(model, prepared, data_args, training_args)
+    check_checkpoints_to_average(training_args)  # again: a translator's uptraining steps are known only now
     tokens_per_step = task.tokens_per_step(prepared, data_args, training_args)
     flops_per_token = task.flops_per_token(model, data_args)
     details = task.details(data_args, prepared)
