@@ -111,3 +111,18 @@ def test_lora_on_the_mlps_changes_them_by_a_low_rank_update_and_trains_the_atten
         load_recipe(TINY, ["--training.output_dir", str(tmp_path / "bad"), "--convert.lora_rank", "0"])
     with pytest.raises(UserError, match=r"convert\.lora_rank converts a checkpoint: set model\.init_from"):
         load_recipe(TINY, ["--training.output_dir", str(tmp_path / "bad"), "--convert.lora_rank", "4"])
+
+
+def test_attention_transfer_then_distillation_in_one_run(parent, tmp_path):
+    """`convert.transfer_tokens` with `convert.distill`, the paper's two stages in one run: the MQA conversion's
+    layers first learn the parent's attention outputs on the first training blocks (each layer's error falls), then
+    the model distils from the parent, starting closer to it than the same distillation without the transfer."""
+    overrides = ["--model.init_from", str(parent), "--convert.num_key_value_heads", "1", "--convert.distill", "true"]
+    plain = run(tmp_path / "plain", *overrides, *STEPS)
+    transfer = ["--convert.transfer_tokens", "4096", "--convert.transfer_epochs", "3"]
+    transferred = run(tmp_path / "transfer", *overrides, *STEPS, *transfer)
+    report = transferred["attention_transfer"]
+    assert report["tokens"] >= 4096 and [m["layer"] for m in report["modules"]] == list(range(len(report["modules"])))
+    assert all(m["module"] == "self_attn" and m["after"] < m["before"] for m in report["modules"])
+    assert transferred["losses"][0] < plain["losses"][0]
+    assert "attention_transfer" not in plain

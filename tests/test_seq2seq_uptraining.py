@@ -171,3 +171,55 @@ def test_averaging_more_checkpoints_than_the_uptraining_writes_is_refused_before
     with pytest.raises(UserError, match=r"average_checkpoints=2, but the run writes 1 .*save_steps=20 of 10 steps"):
         convert(parent, tmp_path / "run", *args)
     assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "final").exists()
+
+
+def test_attention_transfer_brings_the_converted_decoder_toward_the_parent(parent, tmp_path):
+    """`convert.transfer_tokens`: before training, the MQA conversion's decoder self- and cross-attention learn the
+    parent's outputs on the first training pairs: every module's relative error falls (two a layer), and the
+    converted model scores a lower validation perplexity than the conversion alone (neither trains after it)."""
+    alone = convert(
+        parent, tmp_path / "alone", "--convert.num_key_value_heads", "1", "--convert.uptrain_fraction", "0"
+    )
+    transfer = ["--convert.transfer_tokens", "2000", "--convert.transfer_epochs", "4"]
+    summary = convert(
+        parent,
+        tmp_path / "transfer",
+        "--convert.num_key_value_heads",
+        "1",
+        "--convert.uptrain_fraction",
+        "0",
+        *transfer,
+    )
+    report = summary["attention_transfer"]
+    layers = AutoModelForSeq2SeqLM.from_pretrained(parent / "final").config.decoder_layers
+    assert [(m["layer"], m["module"]) for m in report["modules"]] == [
+        (layer, module) for layer in range(layers) for module in ("self_attn", "encoder_attn")
+    ]
+    assert all(m["after"] < m["before"] for m in report["modules"]) and 2000 <= report["tokens"] < 2200
+    assert summary["steps"] == 0 and summary["validation_perplexity"] < alone["validation_perplexity"]
+
+
+def test_attention_transfer_to_the_parents_own_heads_has_nothing_to_learn(parent, tmp_path):
+    """Pooled to the parent's own key/value heads the decoder is the parent's: every module starts at error 0."""
+    heads = str(AutoModelForSeq2SeqLM.from_pretrained(parent / "final").config.num_key_value_heads)
+    args = [
+        "--convert.num_key_value_heads",
+        heads,
+        "--convert.uptrain_fraction",
+        "0",
+        "--convert.transfer_tokens",
+        "500",
+    ]
+    summary = convert(parent, tmp_path / "own", *args)
+    assert all(m["before"] == 0.0 and m["after"] == 0.0 for m in summary["attention_transfer"]["modules"])
+
+
+def test_attention_transfer_without_a_conversion_is_refused(parent, tmp_path):
+    init = ["--model.init_from", str(parent / "final"), "--training.output_dir", str(tmp_path / "run")]
+    with pytest.raises(UserError, match=r"convert\.transfer_tokens trains a converted attention.*num_key_value_heads"):
+        load_recipe(RECIPE, [*init, "--convert.transfer_tokens", "100"])
+    with pytest.raises(UserError, match=r"convert\.transfer_epochs sets attention transfer up"):
+        load_recipe(RECIPE, [*init, "--convert.num_key_value_heads", "1", "--convert.transfer_epochs", "2"])
+    with pytest.raises(UserError, match=r"convert\.transfer_tokens=0 must be a positive number"):
+        load_recipe(RECIPE, [*init, "--convert.num_key_value_heads", "1", "--convert.transfer_tokens", "0"])
+    assert not (tmp_path / "run").exists()

@@ -6,7 +6,7 @@ from .latent import MLA_METHODS, to_mla
 from .llama import from_llama, from_mistral, to_llama, to_native, zoo_config_from_llama
 from .mamba import from_mamba, to_mamba
 from .pooling import METHODS, mha_to_gqa, seq2seq_mha_to_gqa
-from .transfer import Conversion, LayerTransfer, attention_transfer, convert_attention
+from .transfer import Conversion, LayerTransfer, attention_transfer, convert_attention, seq2seq_attention_transfer
 
 __all__ = [
     "METHODS",
@@ -21,6 +21,7 @@ __all__ = [
     "from_mistral",
     "mha_to_gqa",
     "precompute_teacher_topk",
+    "seq2seq_attention_transfer",
     "seq2seq_mha_to_gqa",
     "to_llama",
     "to_mamba",

@@ -19,6 +19,10 @@ the hidden states entering the current layer are kept (memory: one layer's activ
 For layer l the loss is the mean squared error between the student's attention output and the parent's, both on
 the parent's normalised hidden states entering layer l, and only layer l's attention parameters are trained (Adam).
 The student's other weights are the parent's own copies and stay as they are.
+
+`seq2seq_attention_transfer(parent, student, pairs)` does the same for an encoder-decoder whose decoder was converted
+(`seq2seq_mha_to_gqa`): per decoder layer, its self-attention and then its cross-attention, on the parent's stream
+teacher-forced over sentence pairs, the encoder's outputs the parent's.
 """
 
 import inspect
@@ -31,6 +35,7 @@ import torch
 from torch.nn import functional as F
 
 from ..models import ZooForCausalLM, get_variant
+from ..models.translator_zoo import shift_tokens_right
 from .calibrated import calibration_batches
 from .latent import MLA_METHODS, to_mla
 from .llama import from_llama, in_mha_family
@@ -247,6 +252,7 @@ class LayerTransfer:
     steps: int
     seconds: float
     kept_initial: bool = False  # training did not lower the loss, so the layer keeps its initial weights
+    module: str = "self_attn"  # the attention trained: a layer's self-attention, or a decoder's encoder_attn
 
 
 class StopAtFirstLayer(Exception):
@@ -257,6 +263,12 @@ def first_layer_inputs(model: ZooForCausalLM, input_ids: torch.LongTensor) -> tu
     """(hidden states, keyword arguments) the backbone hands its first decoder layer for `input_ids` (no cache): the
     embeddings with absolute positions added, and the mask and RoPE tables of the model's own attention. Caught by a
     hook that stops the forward there, so no layer runs."""
+    return stack_inputs(model.model, input_ids=input_ids.to(model.device), use_cache=False)
+
+
+def stack_inputs(stack: torch.nn.Module, **inputs) -> tuple[torch.Tensor, dict]:
+    """(hidden states, keyword arguments) `stack` (a backbone, or an encoder-decoder's decoder) hands its first layer
+    when called with `inputs`, caught by a hook that stops the forward there."""
     caught = {}
 
     def catch(module, args, kwargs):
@@ -267,9 +279,9 @@ def first_layer_inputs(model: ZooForCausalLM, input_ids: torch.LongTensor) -> tu
         caught["kwargs"] = {**arguments, **arguments.pop("kwargs", {})}
         raise StopAtFirstLayer
 
-    handle = model.model.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    handle = stack.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
     try:
-        model.model(input_ids=input_ids.to(model.device), use_cache=False)
+        stack(**inputs)
     except StopAtFirstLayer:
         pass
     finally:
@@ -353,24 +365,48 @@ def transfer_layer(
     learning_rate: float,
     progress: Callable[[int], None] | None,
 ) -> LayerTransfer:
-    """Train one student `attention` on the parent's: inputs and targets come from `parent_layer` on `hidden`."""
-    start = time.perf_counter()
+    """Train one student self-`attention` on the parent's: inputs and targets come from `parent_layer` on `hidden`."""
 
     def pair(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            normed = parent_layer.branch_input(hidden[batch], parent_layer.input_layernorm)  # what attention reads
-            target = parent_layer.self_attn(hidden_states=normed, **attention_kwargs(parent_kwargs[batch]))[0]
+        normed = parent_layer.branch_input(hidden[batch], parent_layer.input_layernorm)  # what attention reads
+        target = parent_layer.self_attn(hidden_states=normed, **attention_kwargs(parent_kwargs[batch]))[0]
         return normed, target
+
+    def student(batch: int, normed: torch.Tensor) -> torch.Tensor:
+        return attention(hidden_states=normed, **student_kwargs[batch])[0]
+
+    return transfer_module(index, "self_attn", attention, pair, student, len(hidden), epochs, learning_rate, progress)
+
+
+def transfer_module(
+    index: int,
+    module: str,
+    attention: torch.nn.Module,
+    pair: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    student: Callable[[int, torch.Tensor], torch.Tensor],
+    batches: int,
+    epochs: int,
+    learning_rate: float,
+    progress: Callable[[int], None] | None,
+) -> LayerTransfer:
+    """Train the student's `attention` (its parameters alone, Adam) so that `student(batch, input)` reproduces the
+    parent's output, `pair(batch)` -> (the input both read, the parent's output; computed without gradients), over
+    `batches` batches `epochs` times; measured before and after, the initial weights kept where training did not
+    lower the loss."""
+    start = time.perf_counter()
+
+    def target(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return pair(batch)
 
     def measure() -> tuple[float, float]:
         loss, power = 0.0, 0.0
         with torch.no_grad():
-            for batch in range(len(hidden)):
-                normed, target = pair(batch)
-                output = attention(hidden_states=normed, **student_kwargs[batch])[0]
-                loss += F.mse_loss(output.float(), target.float()).item()
-                power += target.float().square().mean().item()
-        return loss / len(hidden), loss / max(power, 1e-30)
+            for batch in range(batches):
+                normed, wanted = target(batch)
+                loss += F.mse_loss(student(batch, normed).float(), wanted.float()).item()
+                power += wanted.float().square().mean().item()
+        return loss / batches, loss / max(power, 1e-30)
 
     before, relative_before = measure()
     initial = {name: tensor.clone() for name, tensor in attention.state_dict().items()}
@@ -378,10 +414,9 @@ def transfer_layer(
     optimizer = torch.optim.Adam(parameters, lr=learning_rate)
     steps = 0
     for _ in range(epochs):
-        for batch in range(len(hidden)):
-            normed, target = pair(batch)
-            output = attention(hidden_states=normed, **student_kwargs[batch])[0]
-            loss = F.mse_loss(output.float(), target.float())
+        for batch in range(batches):
+            normed, wanted = target(batch)
+            loss = F.mse_loss(student(batch, normed).float(), wanted.float())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -395,7 +430,126 @@ def transfer_layer(
         attention.load_state_dict(initial)
         after, relative_after = before, relative_before
     seconds = time.perf_counter() - start
-    return LayerTransfer(index, before, after, relative_before, relative_after, steps, seconds, kept)
+    return LayerTransfer(index, before, after, relative_before, relative_after, steps, seconds, kept, module)
+
+
+def seq2seq_attention_transfer(
+    parent,
+    student,
+    batches: Sequence[tuple[torch.LongTensor, torch.LongTensor]],
+    epochs: int = 1,
+    learning_rate: float = 1e-3,
+    progress: Callable[[int], None] | None = None,
+) -> list[LayerTransfer]:
+    """Attention transfer for an encoder-decoder converted in its decoder (`seq2seq_mha_to_gqa`: the decoder's
+    self- and cross-attention pooled, the encoder the parent's own): in one pass over the decoder's layers, each
+    layer's self-attention, then its cross-attention (`encoder_attn`), learns to reproduce the parent's on the
+    parent's own inputs to it. `batches`: `(source ids, target ids)` pairs (`(1, S)` / `(1, T)`, unpadded, as
+    `train.build.first_pairs` gives them), teacher-forced (the target shifted right behind the decoder's start token
+    is the decoder's input). The source is encoded once per pair by the parent's encoder, which the student's
+    equals. Returns two `LayerTransfer`s a layer."""
+    if not getattr(parent.config, "is_encoder_decoder", False) or not hasattr(student.model, "decoder"):
+        raise ValueError(
+            "seq2seq_attention_transfer pairs two encoder-decoders: use attention_transfer for a decoder."
+        )
+    parent_layers, student_layers = parent.model.decoder.layers, student.model.decoder.layers
+    if len(parent_layers) != len(student_layers):
+        raise ValueError(
+            f"the student's decoder has {len(student_layers)} layers, the parent's {len(parent_layers)}: transfer "
+            f"pairs each converted layer with the parent layer it replaces."
+        )
+    if not batches:
+        raise ValueError("no calibration pairs: attention transfer needs pairs to reproduce the parent on.")
+    parent_training, student_training = parent.training, student.training
+    parent.eval(), student.eval()
+    results = []
+    try:
+        with torch.no_grad():
+            device = parent.device
+            sources = [parent.model.encoder(input_ids=s.to(device)).last_hidden_state for s, _ in batches]
+            config = parent.config
+            inputs = [
+                {
+                    "input_ids": shift_tokens_right(
+                        target.to(device), config.pad_token_id, config.decoder_start_token_id
+                    ),
+                    "encoder_hidden_states": source,
+                    "use_cache": False,
+                }
+                for source, (_, target) in zip(sources, batches)
+            ]
+            caught = [stack_inputs(parent.model.decoder, **given) for given in inputs]
+            hidden = [states for states, _ in caught]  # the parent's stream entering the current decoder layer
+            parent_kwargs = [kwargs for _, kwargs in caught]
+            student_kwargs = [stack_inputs(student.model.decoder, **given)[1] for given in inputs]
+        for index, (parent_layer, student_layer) in enumerate(zip(parent_layers, student_layers)):
+            results.append(
+                transfer_layer(
+                    index,
+                    parent_layer,
+                    student_layer.self_attn,
+                    hidden,
+                    parent_kwargs,
+                    [attention_kwargs(kwargs) for kwargs in student_kwargs],
+                    epochs,
+                    learning_rate,
+                    progress,
+                )
+            )
+            with torch.no_grad():  # the stream after the parent's self-attention branch: what cross-attention reads
+                middle = [
+                    parent_layer._add(
+                        states, transfer_target(parent_layer, states, kwargs), parent_layer.input_layernorm
+                    )
+                    for states, kwargs in zip(hidden, parent_kwargs)
+                ]
+            results.append(
+                cross_transfer(
+                    index, parent_layer, student_layer, middle, parent_kwargs, student_kwargs, epochs, learning_rate,
+                    progress,
+                )
+            )  # fmt: skip
+            with torch.no_grad():
+                hidden = [parent_layer(states, **kwargs) for states, kwargs in zip(hidden, parent_kwargs)]
+    finally:
+        parent.train(parent_training), student.train(student_training)
+    return results
+
+
+def transfer_target(parent_layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """The parent layer's self-attention output on the stream `hidden` entering it."""
+    normed = parent_layer.branch_input(hidden, parent_layer.input_layernorm)
+    return parent_layer.self_attn(hidden_states=normed, **attention_kwargs(kwargs))[0]
+
+
+def cross_transfer(
+    index: int,
+    parent_layer: torch.nn.Module,
+    student_layer: torch.nn.Module,
+    middle: list[torch.Tensor],
+    parent_kwargs: list[dict],
+    student_kwargs: list[dict],
+    epochs: int,
+    learning_rate: float,
+    progress: Callable[[int], None] | None,
+) -> LayerTransfer:
+    """Train a decoder layer's cross-attention on the parent's: both read the parent's normalised stream `middle`
+    (after its self-attention branch) and the encoder's outputs, each under its own source mask."""
+
+    def pair(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = parent_layer.branch_input(middle[batch], parent_layer.encoder_attn_layer_norm)
+        kwargs = parent_kwargs[batch]
+        target = parent_layer.encoder_attn(normed, kwargs["encoder_hidden_states"], kwargs["cross_attention_mask"])[0]
+        return normed, target
+
+    def student(batch: int, normed: torch.Tensor) -> torch.Tensor:
+        kwargs = student_kwargs[batch]
+        return student_layer.encoder_attn(normed, kwargs["encoder_hidden_states"], kwargs["cross_attention_mask"])[0]
+
+    attention = student_layer.encoder_attn
+    return transfer_module(
+        index, "encoder_attn", attention, pair, student, len(middle), epochs, learning_rate, progress
+    )
 
 
 def transfer_batches(
@@ -433,6 +587,7 @@ __all__ = [
     "LayerTransfer",
     "attention_transfer",
     "convert_attention",
+    "seq2seq_attention_transfer",
     "transfer_batches",
     "transfer_steps",
 ]

@@ -4,20 +4,24 @@ parameter counts and training FLOPs per token."""
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from transformers.utils import logging
 
-from ..convert import from_llama, mha_to_gqa, seq2seq_mha_to_gqa
+from ..convert import attention_transfer, from_llama, mha_to_gqa, seq2seq_attention_transfer, seq2seq_mha_to_gqa
 from ..convert.calibrated import CALIBRATION_METHODS
+from ..convert.transfer import mean_relative
 from ..data import tokenizer_fields
 from ..errors import MissingPathError, UserError, one_line
 from ..models import SEQ2SEQ, ZooForCausalLM, get_variant
 from .recipe import ConversionArguments, ModelArguments
 
 logger = logging.get_logger(__name__)
+
+TRANSFER_ROWS = 4  # blocks a step of a language model's attention transfer (a translator's: one pair)
 
 
 def parent_train_tokens(init_from: str) -> int:
@@ -222,3 +226,41 @@ def build_seq2seq_model(model_args: ModelArguments, tokenizer, max_source_length
             f"(max_position_embeddings); lower data.max_source_length or raise max_position_embeddings."
         )
     return model
+
+
+def transfer_from_parent(model_args: ModelArguments, model, train, block_size: int) -> dict:
+    """`convert.transfer_tokens`: attention transfer of the converted `model` from its parent (`model.init_from`,
+    loaded again) on the first training tokens, before training: a language model's attention layers on its first
+    blocks (`attention_transfer`, `TRANSFER_ROWS` a step), a translator's decoder self- and cross-attention on its
+    first pairs (`seq2seq_attention_transfer`). Returns what the summary says of it."""
+    conversion = model_args.conversion
+    start = time.perf_counter()
+    seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+    parent = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(model_args.source)
+    parent = parent.to(model.device)
+    settings = {"epochs": conversion.transfer_epochs, "learning_rate": conversion.transfer_learning_rate}
+    if seq2seq:
+        pairs = first_pairs(train, conversion.transfer_tokens)
+        tokens = sum(source.numel() + target.numel() for source, target in pairs)
+        results = seq2seq_attention_transfer(parent, model, pairs, **settings)
+    else:
+        rows = torch.tensor(first_blocks(train, conversion.transfer_tokens, block_size))  # (N, block_size)
+        tokens = rows.numel()
+        results = attention_transfer(parent, model, list(rows.split(TRANSFER_ROWS)), **settings)
+    return {
+        "tokens": tokens,
+        **settings,
+        "seconds": round(time.perf_counter() - start, 1),
+        # the attention output's squared error relative to the parent's output, mean over the trained modules
+        "relative_error_before": round(mean_relative(results, "relative_before"), 5),
+        "relative_error_after": round(mean_relative(results, "relative_after"), 5),
+        "modules": [
+            {
+                "layer": r.layer,
+                "module": r.module,
+                "before": round(r.relative_before, 5),
+                "after": round(r.relative_after, 5),
+            }
+            for r in results
+        ],
+    }

@@ -55,6 +55,16 @@ class ConversionArguments:
             "training_summary.json); sets training.max_steps; 0 evaluates the converted model without training"
         },
     )
+    transfer_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "attention transfer before training (LoLCATs): each converted attention layer (a translator's "
+            "decoder self- and cross-attention) learns to reproduce the parent's on the first this many training "
+            "tokens, one layer at a time (hf_attn_zoo.convert.transfer); needs convert.num_key_value_heads"
+        },
+    )
+    transfer_learning_rate: float = field(default=1e-3, metadata={"help": "Adam's learning rate of the transfer"})
+    transfer_epochs: int = field(default=1, metadata={"help": "passes of the transfer over its tokens, per layer"})
 
     distill: bool = field(
         default=False,
@@ -95,6 +105,13 @@ class ConversionArguments:
             )
         if self.teacher_topk is not None and self.teacher_topk < 1:
             raise UserError(f"convert.teacher_topk={self.teacher_topk} must be 1 or more (or empty: no precompute).")
+        if self.transfer_tokens is not None and self.transfer_tokens < 1:
+            raise UserError(f"convert.transfer_tokens={self.transfer_tokens} must be a positive number of tokens.")
+        if self.transfer_learning_rate <= 0 or self.transfer_epochs < 1:
+            raise UserError(
+                f"convert.transfer_learning_rate={self.transfer_learning_rate} must be > 0 and "
+                f"convert.transfer_epochs={self.transfer_epochs} 1 or more."
+            )
         if self.uptrain_fraction is not None and self.uptrain_fraction < 0:
             raise UserError(f"convert.uptrain_fraction={self.uptrain_fraction} must be >= 0 (0.05 is 5%).")
 
@@ -102,11 +119,21 @@ class ConversionArguments:
         """Converting and uptraining act on a parent checkpoint: refused without `model.init_from`; distilling needs
         a teacher (`convert.teacher`, or the parent)."""
         if init_from is None:
-            for name in ("num_key_value_heads", "uptrain_fraction", "lora_rank"):
+            for name in ("num_key_value_heads", "uptrain_fraction", "lora_rank", "transfer_tokens"):
                 if getattr(self, name) is not None:
                     raise UserError(f"convert.{name} converts a checkpoint: set model.init_from to the parent.")
             if self.distill and self.teacher is None:
                 raise UserError("convert.distill needs a teacher: set convert.teacher (or model.init_from).")
+        if self.transfer_tokens is not None and self.num_key_value_heads is None:
+            raise UserError(
+                "convert.transfer_tokens trains a converted attention to reproduce the parent's: set "
+                "convert.num_key_value_heads (the conversion), or remove convert.transfer_tokens."
+            )
+        for name in ("transfer_learning_rate", "transfer_epochs"):
+            if self.transfer_tokens is None and getattr(self, name) != getattr(ConversionArguments, name):
+                raise UserError(
+                    f"convert.{name} sets attention transfer up: set convert.transfer_tokens, or remove it."
+                )
         for name in ("teacher", "temperature", "alpha", "teacher_topk"):
             if not self.distill and getattr(self, name) != getattr(ConversionArguments, name, None):
                 raise UserError(f"convert.{name} sets distillation up: set convert.distill true, or remove it.")

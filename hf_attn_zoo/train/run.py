@@ -32,7 +32,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 from ..checkpoints import publish_folder, write_atomically
 from ..data import DataArguments
 from ..errors import UserError
-from .build import parameter_count
+from .build import parameter_count, transfer_from_parent
 from .callbacks import MemoryCallback, run_callbacks, throughput_first
 from .lora import add_mlp_lora, merge_lora
 from .recipe import SECTIONS, ModelArguments, ZooTrainingArguments, load_recipe
@@ -172,6 +172,11 @@ def run_training(
     prepared = prepare_on_every_process(task.prepare, data_args, training_args)
     check_validation_fills_a_batch(len(prepared.validation), data_args, training_args)
     model = task.build(model_args, data_args, prepared)
+    transfer = {}
+    if model_args.conversion.transfer_tokens is not None and resume is None:  # a resumed run's weights are trained
+        transfer = {
+            "attention_transfer": transfer_from_parent(model_args, model, prepared.train, data_args.block_size)
+        }
     lora = {}
     if model_args.conversion.lora_rank is not None:
         trainable = add_mlp_lora(model, model_args.conversion.lora_rank)
@@ -223,6 +228,7 @@ def run_training(
         ],
         **scores,
         **({"averaged_checkpoints": averaged} if averaged else {}),
+        **transfer,
         **lora,
         "memory_per_process": sorted(memory_per_process, key=lambda entry: entry["rank"]),
         "final_model": str(output_dir / "final"),
