@@ -197,6 +197,9 @@ class BoardCell(Protocol):
     def name(self) -> str: ...
 
 
+STOP = "STOP"  # a board stops between cells when its folder holds this file (`touch DIR/STOP`)
+
+
 class Board:
     """board.json: the defining options and one row per cell, rewritten atomically after every cell."""
 
@@ -248,11 +251,18 @@ class Board:
     ) -> None:
         """Run every unfinished cell (`run(cell)` -> its row) under a progress bar, recording each row the moment it
         ends and calling `write(rows)` after it; a cell that raises is recorded with its error (and `keys(cell)`),
-        the board goes on, and a rerun tries it again. `done(row)` is the line logged for a finished cell."""
+        the board goes on, and a rerun tries it again. `done(row)` is the line logged for a finished cell. A file
+        named `STOP` in the board's folder stops it between cells (every process of the board, each after its
+        current cell; removed by the next run), so that a stop loses no cell's work."""
+        stop = self.folder / STOP
+        stop.unlink(missing_ok=True)
         todo = [cell for cell in cells if not self.finished(cell)]
         log(f"{len(cells) - len(todo)} of {len(cells)} cells finished already; {len(todo)} to run")
         with tqdm(total=len(todo), desc=desc, unit="cell", file=sys.stdout) as bar:
             for cell in todo:
+                if stop.exists():
+                    log(f"{stop} found: stopped before {cell.name}; rerun the same command to go on")
+                    return
                 bar.set_postfix_str(cell.name)
                 try:
                     row = run(cell)

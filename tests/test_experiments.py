@@ -201,3 +201,32 @@ def test_two_runs_of_one_board_on_disjoint_cells_keep_each_others_rows(tmp_path)
         "b-seed0": 4,
     }
     assert Board(Setup()).finished(type("Cell", (), {"name": "a-seed2"})())
+
+
+def test_a_board_stops_between_cells_when_its_folder_holds_stop(tmp_path):
+    """`touch DIR/STOP` while a board runs: the cell under way finishes and is recorded, the next is not started;
+    the next run removes the file and goes on from there."""
+    from experiments.common import STOP, Board
+
+    class Setup:
+        output_dir = str(tmp_path)
+
+        def defining(self) -> dict:
+            return {"budget": 1}
+
+    cells = [type("Cell", (), {"name": f"a-seed{seed}"})() for seed in range(3)]
+    ran = []
+
+    def run(cell) -> dict:
+        ran.append(cell.name)
+        (tmp_path / STOP).touch()  # as a user would while this cell runs
+        return {"cell": cell.name}
+
+    def board_run(board: Board) -> None:
+        board.run(cells, run, keys=lambda c: {}, done=lambda r: "", write=lambda rows: None, desc="", log=print)
+
+    board_run(Board(Setup()))
+    assert ran == ["a-seed0"] and (tmp_path / STOP).exists()
+    assert [row["cell"] for row in json.loads((tmp_path / "board.json").read_text())["rows"]] == ["a-seed0"]
+    board_run(Board(Setup()))  # removes the file, runs the next cell, which touches it again
+    assert ran == ["a-seed0", "a-seed1"]
