@@ -368,9 +368,7 @@ def transfer_layer(
     """Train one student self-`attention` on the parent's: inputs and targets come from `parent_layer` on `hidden`."""
 
     def pair(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = parent_layer.branch_input(hidden[batch], parent_layer.input_layernorm)  # what attention reads
-        target = parent_layer.self_attn(hidden_states=normed, **attention_kwargs(parent_kwargs[batch]))[0]
-        return normed, target
+        return self_attention_io(parent_layer, hidden[batch], parent_kwargs[batch])
 
     def student(batch: int, normed: torch.Tensor) -> torch.Tensor:
         return attention(hidden_states=normed, **student_kwargs[batch])[0]
@@ -499,7 +497,7 @@ def seq2seq_attention_transfer(
             with torch.no_grad():  # the stream after the parent's self-attention branch: what cross-attention reads
                 middle = [
                     parent_layer._add(
-                        states, transfer_target(parent_layer, states, kwargs), parent_layer.input_layernorm
+                        states, self_attention_io(parent_layer, states, kwargs)[1], parent_layer.input_layernorm
                     )
                     for states, kwargs in zip(hidden, parent_kwargs)
                 ]
@@ -516,10 +514,10 @@ def seq2seq_attention_transfer(
     return results
 
 
-def transfer_target(parent_layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """The parent layer's self-attention output on the stream `hidden` entering it."""
+def self_attention_io(parent_layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """(what the parent layer's self-attention reads of the stream `hidden` entering the layer, its output)."""
     normed = parent_layer.branch_input(hidden, parent_layer.input_layernorm)
-    return parent_layer.self_attn(hidden_states=normed, **attention_kwargs(kwargs))[0]
+    return normed, parent_layer.self_attn(hidden_states=normed, **attention_kwargs(kwargs))[0]
 
 
 def cross_transfer(
