@@ -58,7 +58,7 @@ def tiny_setup(corpus_dir, output_dir, **fields) -> cells.TranslationSetup:
 
 
 def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
-    setup = tiny_setup(corpus_dir, tmp_path)
+    setup = tiny_setup(corpus_dir, tmp_path, repairs=["ce", "transfer", "transfer_distill"])
     rows = board.run_board(setup, log=lambda _: None)
     names = [row["cell"] for row in rows]
     assert names[:7] == [
@@ -70,7 +70,15 @@ def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
         "encoder-sliding_window-seed0",
         "parent-mha-seed0",
     ]
-    assert len(rows) == 7 + 2 * 2 * 2  # two targets, two methods, two alphas at one seed
+    # two targets, two methods, two alphas at one seed; then transfer and transfer + distillation of the mean-pooled
+    # conversion at alpha 0.5, for both targets
+    assert len(rows) == 7 + 2 * 2 * 2 + 2 * 2
+    assert names[-4:] == [
+        "uptrain-gqa-mean+transfer-0.5-seed0",
+        "uptrain-gqa-mean+transfer_distill-0.5-seed0",
+        "uptrain-mqa-mean+transfer-0.5-seed0",
+        "uptrain-mqa-mean+transfer_distill-0.5-seed0",
+    ]
     for row in rows:
         assert "error" not in row, row.get("error")
         assert 0 <= row["bleu"] <= 100 and row["test_perplexity"] > 1 and row["cache_bytes_per_source_token"] >= 0
@@ -90,9 +98,16 @@ def test_a_tiny_board_end_to_end(corpus_dir, tmp_path):
     assert by_name["uptrain-gqa-mean-0-seed0"]["cache_bytes_per_source_token"] == 2 * 32 * 4
     assert by_name["uptrain-gqa-mean-0-seed0"]["steps"] == 0 and by_name["uptrain-gqa-mean-0.5-seed0"]["steps"] >= 1
     assert by_name["rnn-bahdanau-seed0"]["alignment"] and by_name["transformer-mha-seed0"]["alignment"]
+    # transfer alone trains no step after it; with distillation as many steps as cross-entropy's on the same alpha
+    transferred, distilled = (by_name[f"uptrain-mqa-mean+{r}-0.5-seed0"] for r in ("transfer", "transfer_distill"))
+    assert transferred["steps"] == 0 and distilled["steps"] == by_name["uptrain-mqa-mean-0.5-seed0"]["steps"]
+    for row in (transferred, distilled):
+        assert row["transfer"]["relative_error_after"] < row["transfer"]["relative_error_before"]
+        assert row["method"] == f"mean+{row['repair']}" and row["transfer"]["tokens"] > 0
     table = (tmp_path / "board.md").read_text()
     assert "Attention beats the same RNN without it" in table and "Mean pooling converts best" in table
     assert "reaches at least the BLEU of transformers' own MarianMTModel" in table
+    assert "MQA transfer + distill test perplexity" in table
     assert claims.verdict_block(rows, setup) in table
     assert (tmp_path / "tokenizer").is_dir() and (tmp_path / "cells" / "parent-mha-seed0" / "final").is_dir()
     pytest.importorskip("matplotlib")
@@ -140,8 +155,12 @@ def test_a_rerun_runs_only_unfinished_cells_retries_failures_and_refuses_other_o
 
 
 def test_every_cell_of_the_committed_board_matches_the_mha_transformer_within_one_percent():
-    setup = cells.TranslationSetup(output_dir="unused")
-    tokens = {"vocab_size": 4000, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
+    """At the default sizes, the default families and the optional ones (additive cross-attention, the efficient
+    encoders of the earlier board)."""
+    encoders = ["sliding_window", "linformer", "aft_simple", "topk"]
+    additive = ["mha", "gqa", "mqa", "additive"]
+    setup = cells.TranslationSetup(output_dir="unused", cross_attentions=additive, encoders=encoders)
+    tokens = {"vocab_size": 8000, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}
     tokens["decoder_start_token_id"] = 0
     seen = set()
     for cell in cells.plan(setup):
@@ -290,3 +309,24 @@ def test_the_native_control_is_marian_at_the_recipes_sizes(tmp_path):
     count = sum(p.numel() for name, p in marian.named_parameters() if "embed_positions" not in name)
     assert abs(count / sum(p.numel() for p in zoo.parameters()) - 1) < 0.01
     assert (tmp_path / "marian" / "tokenizer.json").is_file()  # model.init_from takes the checkpoint's tokenizer
+
+
+def test_the_optional_families_claims_appear_where_their_cells_have_rows():
+    """The core claims are listed from the start ("not measured"); the native control's, additive
+    cross-attention's, an efficient encoder's and the uptraining's only once a row of theirs exists (a failed one
+    too), whatever the setup's family lists say: the verdicts are a function of the rows."""
+    setup = cells.TranslationSetup()
+
+    def failed(family: str, config: str) -> dict:
+        return {"cell": f"{family}-{config}-seed0", "family": family, "config": config, "seed": 0, "error": "x"}
+
+    def listed(rows: list[dict]) -> list[str]:
+        return [claim for claim, _ in claims.claims(rows, setup)]
+
+    core = listed([])
+    assert len(core) == 7 and all("not measured" in verdict for _, verdict in claims.claims([], setup))
+    assert not any("Marian" in c or "additive" in c or "encoder (" in c or "parent" in c for c in core)
+    rows = [failed("native", "marian"), failed("transformer", "additive"), failed("encoder", "linformer")]
+    extra = [c for c in listed(rows) if c not in core]
+    assert len(extra) == 3 and "MarianMTModel" in extra[0] and "additive" in extra[1] and "(linformer)" in extra[2]
+    assert any("parent's steps" in c for c in listed([failed("parent", "mha")]))

@@ -38,7 +38,7 @@ skips finished cells, retries failed ones and refuses other defining options. bo
 their verdicts) and the plots are rewritten after every cell; "A beats B" only where the seeds' ranges do not
 overlap.
 
-    python -m experiments translation [--seeds 0 1 2] [--budget 1500000] [--output_dir DIR]
+    python -m experiments translation [--seeds 0 1 2] [--budget 2000000] [--output_dir DIR]
 
 This module runs the board (corpus, models, training, scoring through `hf_attn_zoo.evaluation.translation`, the loop
 over cells); cells.py holds its options and cells, claims.py the verdicts, report.py the tables and figures.
@@ -375,7 +375,14 @@ def train_cell(setup: TranslationSetup, cell: Cell, recipe: str, steps: int, mod
         "final_loss": round(statistics.fmean(tail), 4) if tail else None,
         "validation_bleu_full": summary["validation_bleu"],  # greedy, every verse of the validation books
         "run_seconds": round(run_seconds, 1),
+        **({"transfer": transfer_report(summary["attention_transfer"])} if "attention_transfer" in summary else {}),
     }
+
+
+def transfer_report(transfer: dict) -> dict:
+    """What a row keeps of a run's attention transfer: its tokens and seconds, and the decoder modules' mean error
+    relative to the parent's output before and after it."""
+    return {key: transfer[key] for key in ("tokens", "seconds", "relative_error_before", "relative_error_after")}
 
 
 def trained(setup: TranslationSetup, cell: Cell):
@@ -533,7 +540,8 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
         # the parent's run converted (convert.num_key_value_heads, fitted on the first training pairs where the
         # method is calibrated) and uptrained for alpha of the parent's tokens, all in the training path
         target_kind, method, alpha = cell.config.split("-")
-        alpha = float(alpha)
+        method, _, repair = method.partition("+")
+        alpha, repair = float(alpha), repair or "ce"
         groups = setup.gqa_key_value_heads if target_kind == "gqa" else 1
         parent = cell_folder(setup, parent_cell(setup)) / "final"
         if not parent.is_dir():
@@ -541,11 +549,21 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
         calibration = sum(len(s) + len(t) for s, t in corpus.train[: setup.calibration_pairs])
         model_args = ["--model.init_from", str(parent), "--convert.num_key_value_heads", str(groups)]
         model_args += ["--convert.method", method, "--convert.calibration_tokens", str(calibration)]
-        model_args += ["--convert.uptrain_fraction", str(alpha)]
+        parent_summary = json.loads((parent / "training_summary.json").read_text())
+        if repair == "ce":
+            model_args += ["--convert.uptrain_fraction", str(alpha)]
+        else:  # alpha of the parent's tokens read by the transfer; as many again by the distillation after it
+            model_args += ["--convert.transfer_tokens", str(round(alpha * parent_summary["train_tokens"]))]
+            if repair == "transfer":
+                model_args += ["--convert.uptrain_fraction", "0"]
+            else:
+                model_args += ["--convert.uptrain_fraction", str(alpha), "--convert.distill", "true"]
+                model_args += ["--convert.temperature", str(setup.distill_temperature)]
         model_args += ["--training.learning_rate", str(setup.uptrain_learning_rate)]
-        parent_steps = json.loads((parent / "training_summary.json").read_text())["steps"]
+        parent_steps = parent_summary["steps"]
         steps = max(1, round(alpha * parent_steps))  # for the warm-up; the fraction sets the run's own steps
-        row |= {"target": target_kind, "method": method, "alpha": alpha, "key_value_heads": groups}
+        shown = method if repair == "ce" else f"{method}+{repair}"
+        row |= {"target": target_kind, "method": shown, "repair": repair, "alpha": alpha, "key_value_heads": groups}
         row |= train_cell(setup, cell, setup.recipe_path, steps, model_args)
         model = trained(setup, cell)
         row["parameters"] = sum(p.numel() for p in model.parameters())

@@ -321,10 +321,11 @@ def readme_row(rows: list[dict], setup: TranslationSetup) -> str:
     bleu = ", ".join(f"{label(k)} {statistics.fmean(values(grouped, k)):.2f}" for k in shown)
     ppl = ", ".join(f"{statistics.fmean(values(grouped, k, 'test_perplexity')):.0f}" for k in shown)
     parameters = grouped[("transformer", "mha")][0]["parameters"] if ("transformer", "mha") in grouped else 0
+    budget = f"{setup.budget / 1e6:g}M" if setup.budget >= 1e6 else f"{setup.budget / 1e3:g}k"
+    cells = sum(len(grouped[k]) for k in shown)
     measured = (
-        f"English -> Spanish at {setup.budget / 1e3:g}k tokens a cell, {parameters / 1e6:.1f}M parameters, mean of "
-        f"the seeds: greedy "
-        f"test BLEU {bleu}; test perplexity {ppl}"
+        f"English -> Spanish at {budget} tokens a cell, {parameters / 1e6:.1f}M parameters, mean of the seeds "
+        f"({cells} cells so far): greedy test BLEU {bleu}; test perplexity {ppl}"
     )
     return f"{README_ROW} {measured} | [translation study](docs/translation.md#the-translation-study) |"
 
