@@ -5,6 +5,7 @@ scale, the verdicts on synthetic rows, and the docs' verdicts being the committe
 import csv
 import dataclasses
 import json
+import shutil
 
 import pytest
 
@@ -330,3 +331,21 @@ def test_the_optional_families_claims_appear_where_their_cells_have_rows():
     extra = [c for c in listed(rows) if c not in core]
     assert len(extra) == 3 and "MarianMTModel" in extra[0] and "additive" in extra[1] and "(linformer)" in extra[2]
     assert any("parent's steps" in c for c in listed([failed("parent", "mha")]))
+
+
+def test_uptraining_cells_retrain_a_parent_whose_checkpoint_is_gone(corpus_dir, tmp_path):
+    """Checkpoints are not committed: a board resumed in another clone has the parent's row but not its model. Its
+    uptraining cells train the parent again (same seed, same budget) instead of failing."""
+    only = {"rnns": [], "cross_attentions": [], "natives": [], "encoders": [], "repairs": ["ce"]}
+    setup = tiny_setup(corpus_dir, tmp_path, uptrain_methods=["mean"], alphas=[0.5], **only)
+    names = ["parent-mha-seed0", "uptrain-gqa-mean-0.5-seed0", "uptrain-mqa-mean-0.5-seed0"]
+    rows = board.run_board(setup, log=lambda _: None)
+    assert [row["cell"] for row in rows] == names
+    shutil.rmtree(tmp_path / "cells")
+    stored = json.loads((tmp_path / "board.json").read_text())
+    stored["rows"] = stored["rows"][:2]  # the MQA cell still to run
+    (tmp_path / "board.json").write_text(json.dumps(stored))
+    rows = board.run_board(setup, log=lambda _: None)
+    assert [row["cell"] for row in rows] == names
+    assert not any("error" in row for row in rows) and (tmp_path / "cells" / "parent-mha-seed0" / "final").is_dir()
+    assert rows[0] == stored["rows"][0]  # the parent's row as it was

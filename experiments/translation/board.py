@@ -515,6 +515,14 @@ def model_arguments(setup: TranslationSetup, cell: Cell, variant: str, fields: d
     return recipe, ["--model.variant", variant, "--model.config", json.dumps(fields)]
 
 
+def train_parent(setup: TranslationSetup, corpus: Corpus, tokens: dict) -> dict:
+    """Train the uptraining cells' MHA parent (`--parent_factor` budgets, the first seed) into its cell folder."""
+    cell = parent_cell(setup)
+    variant, fields, _, _ = cell_spec(setup, cell, tokens)
+    recipe, model_args = model_arguments(setup, cell, variant, fields)
+    return train_cell(setup, cell, recipe, steps_for(setup.parent_factor * setup.budget, corpus, recipe), model_args)
+
+
 def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
     began = time.perf_counter()
     tokens = special_tokens(corpus.tokenizer)
@@ -545,7 +553,9 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
         groups = setup.gqa_key_value_heads if target_kind == "gqa" else 1
         parent = cell_folder(setup, parent_cell(setup)) / "final"
         if not parent.is_dir():
-            raise FileNotFoundError(f"no {parent}: the parent cell has not finished")
+            # its row is in board.json but its checkpoint is not (checkpoints are not committed: a board resumed in
+            # another clone): the same run again, the seed and data order the same
+            train_parent(setup, corpus, tokens)
         calibration = sum(len(s) + len(t) for s, t in corpus.train[: setup.calibration_pairs])
         model_args = ["--model.init_from", str(parent), "--convert.num_key_value_heads", str(groups)]
         model_args += ["--convert.method", method, "--convert.calibration_tokens", str(calibration)]
@@ -569,9 +579,11 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
         row["parameters"] = sum(p.numel() for p in model.parameters())
         row |= evaluate(model, corpus, setup, beams=False)
     else:
-        recipe, model_args = model_arguments(setup, cell, variant, fields)
-        factor = setup.parent_factor if cell.family == "parent" else 1.0
-        row |= train_cell(setup, cell, recipe, steps_for(factor * setup.budget, corpus, recipe), model_args)
+        if cell.family == "parent":
+            row |= train_parent(setup, corpus, tokens)
+        else:
+            recipe, model_args = model_arguments(setup, cell, variant, fields)
+            row |= train_cell(setup, cell, recipe, steps_for(setup.budget, corpus, recipe), model_args)
         model = trained(setup, cell)
         row |= evaluate(model, corpus, setup, beams=True)
         drawn = {("rnn", "bahdanau"), ("rnn", "luong"), ("transformer", "mha")}
