@@ -169,6 +169,53 @@ def test_the_hour_report_reads_what_train_and_translate_eval_wrote(trained, tmp_
         assert f"- tiny_rnn: {scores['translations'][index]}" in report
 
 
+def test_the_hour_report_keeps_earlier_runs(trained, tmp_path, capsys):
+    """A run joins the earlier runs of hour.json (their folders gone), a run given again replaces its row in place,
+    no run folder redraws the report from hour.json alone, --fresh drops the earlier runs, and runs of another
+    test file are refused."""
+    from experiments.translation import hour
+
+    report = tmp_path / "report"
+    first, second = tmp_path / "first", tmp_path / "second"
+    shutil.copytree(trained, first, ignore=shutil.ignore_patterns("checkpoint-*"))
+    shutil.copy(first / "validation_pairs.jsonl", first / "test_pairs.jsonl")
+    argv = [
+        "translate-eval",
+        first / "final",
+        "--data",
+        first / "test_pairs.jsonl",
+        "--out",
+        first / "test_scores.json",
+    ]
+    assert run_cli(argv, capsys)[0] == 0
+    shutil.copytree(first, second)
+    assert hour.main([str(first), "--out", str(report)]) == 0
+    shutil.rmtree(first)
+    assert hour.main([str(second), "--out", str(report)]) == 0
+    rows = json.loads((report / "hour.json").read_text())
+    assert [row["name"] for row in rows] == ["first", "second"] and rows[0]["examples"] == rows[1]["examples"]
+    drawn = (report / "hour.md").read_text()
+    assert "| first | rnn |" in drawn and "| second | rnn |" in drawn and drawn.count("- first: ") == 10
+
+    summary = json.loads((second / "training_summary.json").read_text())
+    summary["steps"] = 41
+    (second / "training_summary.json").write_text(json.dumps(summary))
+    assert hour.main([str(second), "--out", str(report)]) == 0
+    rows = json.loads((report / "hour.json").read_text())
+    assert [(row["name"], row["steps"]) for row in rows] == [("first", 40), ("second", 41)]
+    assert hour.main(["--out", str(report)]) == 0
+    assert (report / "hour.md").read_text() == hour.markdown(rows) + "\n"
+
+    rows[0]["examples"][0]["source"] += " (another verse)"
+    (report / "hour.json").write_text(json.dumps(rows))
+    with pytest.raises(SystemExit, match="differ"):
+        hour.main([str(second), "--out", str(report)])
+    assert hour.main([str(second), "--out", str(report), "--fresh"]) == 0
+    assert [row["name"] for row in json.loads((report / "hour.json").read_text())] == ["second"]
+    with pytest.raises(SystemExit, match="no runs"):
+        hour.main(["--out", str(tmp_path / "empty")])
+
+
 def test_translate_eval_scores_as_sacrebleu_on_the_same_generations(trained, tmp_path, capsys):
     final, pairs = trained / "final", trained / "validation_pairs.jsonl"
     out = tmp_path / "scores.json"

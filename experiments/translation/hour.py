@@ -7,9 +7,11 @@ For each run folder (the recipe's `training.output_dir`) this reads:
   against minutes;
 - `test_scores.json`, written by `hf-attn-zoo translate-eval RUN/final --data RUN/test_pairs.jsonl --num_beams 4
   --out RUN/test_scores.json`: the test BLEU and chrF and every translation;
-and writes into `--out`: `hour.json` (the numbers), `hour.md` (the table, and ten test verses beside each run's
-translation, picked by a fixed rule: the verses at 0, 1/10, ..., 9/10 of the test file) and `hour.png` (validation
-BLEU against minutes, one line per run).
+and writes into `--out`: `hour.json` (the numbers, and each run's translations of ten test verses picked by a fixed
+rule: the verses at 0, 1/10, ..., 9/10 of the test file), `hour.md` (the table and those verses beside each run's
+translation) and `hour.png` (validation BLEU against minutes, one line per run). The runs of an earlier `hour.json`
+in `--out` are kept (their run folders need not exist any more; a run folder given again replaces its row, in place),
+so a new run joins the earlier ones; `--fresh` starts from the runs given alone.
 
     PYTHONPATH=. python experiments/translation/hour.py runs/bible_en_es_rnn runs/bible_en_es_transformer
 """
@@ -49,6 +51,11 @@ def read_run(folder: Path) -> dict:
         if "elapsed_seconds" in entry
     ]
     pairs = [json.loads(line) for line in (folder / "test_pairs.jsonl").read_text().splitlines()]
+    if len(test["translations"]) != len(pairs):
+        raise SystemExit(
+            f"{test_path} holds {len(test['translations'])} translations for the {len(pairs)} pairs of "
+            f"{folder / 'test_pairs.jsonl'}: score that file again (translate-eval ... --out {test_path})."
+        )
     return {
         "name": folder.name,
         "variant": summary["variant"],
@@ -59,8 +66,15 @@ def read_run(folder: Path) -> dict:
         "validation_bleu": summary["validation_bleu"],
         "curve": curve,
         "test": {key: test[key] for key in ("bleu", "chrf", "num_beams", "pairs", "decode_seconds", "bleu_signature")},
-        "translations": test["translations"],
-        "pairs": pairs,
+        "examples": [
+            {
+                "ref": pairs[i].get("ref", i),
+                "source": pairs[i]["source"],
+                "target": pairs[i]["target"],
+                "translation": test["translations"][i],
+            }
+            for i in picked(len(pairs))
+        ],
     }
 
 
@@ -88,15 +102,20 @@ def markdown(runs: list[dict]) -> str:
         *curve_table(runs),
         "",
     ]
-    pairs = runs[0]["pairs"]
-    for index in picked(len(pairs)):
-        pair = pairs[index]
-        lines.append(f"**{pair.get('ref', index)}** — {pair['source']}")
+    for index, example in enumerate(runs[0]["examples"]):
+        lines.append(f"**{example['ref']}** — {example['source']}")
         lines.append("")
-        lines.append(f"- reference: {pair['target']}")
-        lines += [f"- {run['name']}: {run['translations'][index]}" for run in runs]
+        lines.append(f"- reference: {example['target']}")
+        lines += [f"- {run['name']}: {run['examples'][index]['translation']}" for run in runs]
         lines.append("")
     return "\n".join(lines)
+
+
+def merged(earlier: list[dict], runs: list[dict]) -> list[dict]:
+    """The earlier rows with each run given replacing its namesake in place, new runs after them."""
+    given = {run["name"]: run for run in runs}
+    rows = [given.pop(row["name"], row) for row in earlier]
+    return rows + [run for run in runs if run["name"] in given]
 
 
 def curve_table(runs: list[dict]) -> list[str]:
@@ -140,16 +159,26 @@ def plot(runs: list[dict], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run folders (each recipe's training.output_dir)")
+    parser.add_argument(
+        "runs", nargs="*", type=Path, help="run folders (each recipe's training.output_dir); none: redraw hour.json's"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of hour.json, hour.md, hour.png")
+    parser.add_argument("--fresh", action="store_true", help="drop the runs of the earlier hour.json in --out")
     args = parser.parse_args(argv)
     runs = [read_run(folder) for folder in args.runs]
-    orders = {tuple(pair["source"] for pair in run["pairs"]) for run in runs}
-    if len(orders) != 1:
-        raise SystemExit("the runs' test_pairs.jsonl differ: compare runs of the same data and split.")
+    earlier_path = args.out / "hour.json"
+    if earlier_path.is_file() and not args.fresh:
+        runs = merged(json.loads(earlier_path.read_text()), runs)
+    if not runs:
+        raise SystemExit(f"no runs: name run folders (there is no {earlier_path} to redraw, or --fresh was given).")
+    # the same verses in the same order: every run scored the same test file
+    if len({tuple(example["source"] for example in run["examples"]) for run in runs}) != 1:
+        raise SystemExit(
+            "the runs' test_pairs.jsonl differ: compare runs of the same data and split "
+            f"(or --fresh to drop the runs of {earlier_path})."
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    numbers = [{key: value for key, value in run.items() if key not in ("translations", "pairs")} for run in runs]
-    (args.out / "hour.json").write_text(json.dumps(numbers, indent=2, ensure_ascii=False) + "\n")
+    earlier_path.write_text(json.dumps(runs, indent=2, ensure_ascii=False) + "\n")
     (args.out / "hour.md").write_text(markdown(runs) + "\n")
     drawn = plot(runs, args.out / "hour.png")
     print(markdown(runs))
