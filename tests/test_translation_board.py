@@ -254,6 +254,10 @@ def test_docs_verdicts_are_rewritten_between_the_markers(tmp_path):
     plain = tmp_path / "plain.md"
     plain.write_text("no markers\n")
     assert not report.write_docs("- x", plain) and plain.read_text() == "no markers\n"
+    half = tmp_path / "half.md"  # a page with one marker only is left as it is
+    half.write_text(f"{begin}\nkept\n")
+    assert not report.write_docs("- x", half) and half.read_text() == f"{begin}\nkept\n"
+    assert not report.write_docs("- x", tmp_path / "absent.md") and not (tmp_path / "absent.md").exists()
 
 
 def test_the_docs_verdicts_are_the_committed_boards_own():

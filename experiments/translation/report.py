@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.common import REPOSITORY, draw_figures, figure, mean_spread
+from experiments.common import REPOSITORY, draw_figures, figure, mean_spread, replace_between
 from experiments.translation.cells import STUDY, TranslationSetup, bucket_names
 from experiments.translation.claims import bucket_bleu, groups, label, values, verdict_block
 from hf_attn_zoo.evaluation.plotting import colour, headless_pyplot, house_style, place_labels, save_figure
@@ -294,16 +294,7 @@ def board_figures(board: dict) -> dict[str, Callable[[Path], bool]]:
 def write_docs(block: str, docs: Path = DOCS) -> bool:
     """Replace the verdicts between the markers of docs/translation.md with the board's own; False where the page
     has no markers."""
-    if not docs.is_file():
-        return False
-    text = docs.read_text()
-    begin, end = MARKERS
-    if begin not in text or end not in text:
-        return False
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    docs.write_text(f"{head}{begin}\n{block}\n{end}{tail}")
-    return True
+    return replace_between(docs, MARKERS, block)
 
 
 def readme_row(rows: list[dict], setup: TranslationSetup) -> str:

@@ -23,7 +23,7 @@ addresses (windows of `--eval_max_length`), and each of `--reference_texts` (BOS
 Each cell is one `hf-attn-zoo convert` command run in this process (its argument list is kept in the row, so any
 row is reproduced by that command), saved in `<output_dir>/cells/<cell>`: a cell whose `training_summary.json`
 exists is read back, so the experiment resumes where it stopped. results.md / .json and frontier.png are rewritten
-after every cell.
+after every cell, and for the committed study (the default `--output_dir`) the table in docs/studies/frontier.md.
 
     python -m experiments convert-frontier --reference_texts /usr/share/common-licenses/GPL-3 \
         /usr/share/common-licenses/Apache-2.0
@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from experiments.common import Benchmark, Results, main, write_results
+from experiments.common import REPOSITORY, Benchmark, Results, main, replace_between, write_results
 from experiments.uptraining.uptraining import SOTU, STUDY, reference_perplexity, split_by_year
 from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
@@ -45,6 +45,8 @@ from hf_attn_zoo_cli import main as command_line
 
 METHODS = ("ce", "transfer", "transfer_distill")
 TOLERANCE = 0.10  # the targets: within 10% of the parent's held-out perplexity
+DOCS = REPOSITORY / "docs" / "studies" / "frontier.md"
+MARKERS = ("<!-- conversion frontier results: begin -->", "<!-- conversion frontier results: end -->")
 
 
 @dataclass
@@ -221,9 +223,17 @@ def run_frontier(setup: FrontierSetup, log=print) -> dict:
         log(f"{row['cell']}: held-out {row['held_out_perplexity']:.2f}, {row['seconds'] / 60:.1f} min")
         parent["held_out_perplexity"] = row["parent_held_out_perplexity"]
         result = {"setup": asdict(setup), "parent": parent, "rows": list(rows.values())}
-        write_results(out, "results", result, frontier_table(result), frontier_figures(result), log=lambda _: None)
-    write_results(out, "results", result, frontier_table(result), frontier_figures(result), log=log)
+        write_frontier(out, result, log=lambda _: None)
+    write_frontier(out, result, log=log)
     return result
+
+
+def write_frontier(out: Path, result: dict, log=print) -> None:
+    """results.md / .json and the plot; for the committed study, its table on the docs page too."""
+    table = frontier_table(result)
+    write_results(out, "results", result, table, frontier_figures(result), log=log)
+    if out.resolve() == (STUDY / "frontier").resolve():
+        replace_between(DOCS, MARKERS, table)
 
 
 def targets_of(result: dict) -> list[str]:
