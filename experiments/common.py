@@ -143,8 +143,9 @@ def write_results(
     plots: dict[str, Callable[[Path], bool]] | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Print `table` and write it to `<stem>.md`, `data` to `<stem>.json` (paths as strings), and each plot
-    `file name -> draw(path)`; `draw` returns False when matplotlib is missing (the `plots` extra)."""
+    """Print `table` and write it to `<stem>.md`, `data` to `<stem>.json` (paths as strings, those inside this
+    repository relative to it: committed results name no machine's folders), and each plot `file name -> draw(path)`;
+    `draw` returns False when matplotlib is missing (the `plots` extra)."""
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -152,10 +153,21 @@ def write_results(
         log(table)
         (folder / f"{stem}.md").write_text(table + "\n")
         written.append(f"{stem}.md")
-    write_atomically(folder / f"{stem}.json", json.dumps(data, indent=2, default=str) + "\n")
+    write_atomically(folder / f"{stem}.json", json.dumps(in_repository(data), indent=2, default=str) + "\n")
     written.append(f"{stem}.json")
     written += draw_figures(folder, plots or {})
     log(f"written to {folder}: {', '.join(written)}")
+
+
+def in_repository(data: Any) -> Any:
+    """`data` with every path (or absolute path string) inside this repository made relative to its root."""
+    if isinstance(data, dict):
+        return {key: in_repository(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [in_repository(value) for value in data]
+    if isinstance(data, str | Path) and Path(data).is_absolute() and Path(data).is_relative_to(REPOSITORY):
+        return str(Path(data).relative_to(REPOSITORY))
+    return str(data) if isinstance(data, Path) else data
 
 
 def replace_between(page: Path, markers: tuple[str, str], block: str) -> bool:

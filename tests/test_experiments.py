@@ -115,6 +115,24 @@ def test_results_default_to_the_studys_folder():
     assert Path(ScalingSetup().output_dir) == REPOSITORY / "experiments" / "speed" / "results"
 
 
+def test_results_name_the_repositorys_paths_relative_to_it(tmp_path):
+    from experiments.common import write_results
+
+    inside = REPOSITORY / "data" / "sotu"
+    setup = {"data_dir": str(inside), "recipe": inside / "x.yaml", "files": [str(inside)], "other": "/elsewhere/a"}
+    write_results(tmp_path, "results", {"setup": setup, "count": 3}, log=lambda _: None)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written == {
+        "setup": {
+            "data_dir": "data/sotu",
+            "recipe": "data/sotu/x.yaml",
+            "files": ["data/sotu"],
+            "other": "/elsewhere/a",  # outside the repository: kept as it is
+        },
+        "count": 3,
+    }
+
+
 def test_llama_writes_ratios_from_the_command_line(tmp_path):
     """`python -m experiments llama` from the repository's root, as a user runs it."""
     args = ["llama", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64"]
