@@ -20,7 +20,8 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -229,6 +230,22 @@ class BoardCell(Protocol):
 STOP = "STOP"  # a board stops between cells when its folder holds this file (`touch DIR/STOP`)
 
 
+@contextmanager
+def claim(folder: Path, cell: str, wait: bool = False) -> Iterator[bool]:
+    """True while this process holds the board's `cell` (an exclusive lock on `<folder>/claims/<cell>.lock`, which
+    the system drops when the process ends, however it ends); False where another process holds it, or, with `wait`,
+    True once that process lets it go (a cell that needs another's output waits for the process making it)."""
+    claims = Path(folder) / "claims"
+    claims.mkdir(parents=True, exist_ok=True)
+    with open(claims / f"{cell}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True  # the lock goes with the file's closing
+
+
 class Board:
     """board.json: the defining options and one row per cell, rewritten atomically after every cell."""
 
@@ -251,21 +268,27 @@ class Board:
     def finished(self, cell: BoardCell) -> bool:
         return any(row["cell"] == cell.name and "error" not in row for row in self.rows)
 
+    def refresh(self) -> None:
+        """Take in the rows other processes of this board recorded since this one last read board.json."""
+        if self.path.is_file():
+            mine = {row["cell"]: row for row in self.rows}
+            for stored in json.loads(self.path.read_text())["rows"]:
+                if stored["cell"] not in mine or ("error" in mine[stored["cell"]] and "error" not in stored):
+                    mine[stored["cell"]] = stored
+            self.rows = list(mine.values())
+
+    def claim(self, cell: BoardCell) -> AbstractContextManager[bool]:
+        return claim(self.folder, cell.name)
+
     def record(self, row: dict) -> None:
         """Add (or replace) `row` and rewrite board.json. Under a lock, the rows another process on the same folder
-        recorded since this one read the file are kept: two runs of one board on disjoint cells (`--seeds 0 1` and
-        `--seeds 2`, one per core) share its board.json without dropping each other's rows."""
+        recorded since this one read the file are kept: several runs of one board (one per core) share its board.json
+        without dropping each other's rows."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / "board.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            merged = {r["cell"]: r for r in self.rows}
-            if self.path.is_file():
-                for stored in json.loads(self.path.read_text())["rows"]:
-                    mine = merged.get(stored["cell"])
-                    if mine is None or ("error" in mine and "error" not in stored):
-                        merged[stored["cell"]] = stored
-            merged.pop(row["cell"], None)
-            self.rows = [*merged.values(), row]
+            self.refresh()
+            self.rows = [*(r for r in self.rows if r["cell"] != row["cell"]), row]
             write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")
 
     def run(
@@ -280,9 +303,11 @@ class Board:
     ) -> None:
         """Run every unfinished cell (`run(cell)` -> its row) under a progress bar, recording each row the moment it
         ends and calling `write(rows)` after it; a cell that raises is recorded with its error (and `keys(cell)`),
-        the board goes on, and a rerun tries it again. `done(row)` is the line logged for a finished cell. A file
-        named `STOP` in the board's folder stops it between cells (every process of the board, each after its
-        current cell; removed by the next run), so that a stop loses no cell's work."""
+        the board goes on, and a rerun tries it again. `done(row)` is the line logged for a finished cell. Several
+        processes may run the same board at once (one per core): each cell is claimed by the first to reach it, and
+        the others pass over it and over the cells they find finished. A file named `STOP` in the board's folder
+        stops it between cells (every process of the board, each after its current cell; removed by the next run),
+        so that a stop loses no cell's work."""
         stop = self.folder / STOP
         stop.unlink(missing_ok=True)
         todo = [cell for cell in cells if not self.finished(cell)]
@@ -293,11 +318,17 @@ class Board:
                     log(f"{stop} found: stopped before {cell.name}; rerun the same command to go on")
                     return
                 bar.set_postfix_str(cell.name)
-                try:
-                    row = run(cell)
-                except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
-                    row = {"cell": cell.name, **keys(cell), "error": f"{type(error).__name__}: {one_line(error)}"}
-                self.record(row)
+                with self.claim(cell) as mine:
+                    self.refresh()
+                    if not mine or self.finished(cell):
+                        bar.update()
+                        log(f"{cell.name}: {'finished' if mine else 'under way'} in another process of this board")
+                        continue
+                    try:
+                        row = run(cell)
+                    except Exception as error:  # recorded, and the board goes on; a rerun tries the cell again
+                        row = {"cell": cell.name, **keys(cell), "error": f"{type(error).__name__}: {one_line(error)}"}
+                    self.record(row)
                 bar.update()
                 log(f"{cell.name}: " + (row["error"] if "error" in row else done(row)))
                 write(self.rows)

@@ -248,3 +248,67 @@ def test_a_board_stops_between_cells_when_its_folder_holds_stop(tmp_path):
     assert [row["cell"] for row in json.loads((tmp_path / "board.json").read_text())["rows"]] == ["a-seed0"]
     board_run(Board(Setup()))  # removes the file, runs the next cell, which touches it again
     assert ran == ["a-seed0", "a-seed1"]
+
+
+def test_processes_of_one_board_share_its_cells(tmp_path):
+    """The same board command run twice (one per core): a cell another process holds is passed over, and so is one
+    another process finished after this one made its list; the rest run here."""
+    import fcntl
+
+    from experiments.common import Board
+
+    class Setup:
+        output_dir = str(tmp_path)
+
+        def defining(self) -> dict:
+            return {"budget": 1}
+
+    cells = [type("Cell", (), {"name": f"a-seed{seed}"})() for seed in range(4)]
+    ran, logged = [], []
+
+    def run(cell) -> dict:
+        ran.append(cell.name)
+        if cell.name == "a-seed0":  # meanwhile the other process finishes a-seed2
+            Board(Setup()).record({"cell": "a-seed2", "value": "there"})
+        return {"cell": cell.name, "value": "here"}
+
+    (tmp_path / "claims").mkdir()
+    with open(tmp_path / "claims" / "a-seed1.lock", "w") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the other process is training a-seed1
+        Board(Setup()).run(
+            cells, run, keys=lambda c: {}, done=lambda r: "", write=lambda rows: None, desc="", log=logged.append
+        )
+    assert ran == ["a-seed0", "a-seed3"]
+    assert "a-seed1: under way in another process of this board" in logged
+    assert "a-seed2: finished in another process of this board" in logged
+    rows = {row["cell"]: row["value"] for row in json.loads((tmp_path / "board.json").read_text())["rows"]}
+    assert rows == {"a-seed0": "here", "a-seed2": "there", "a-seed3": "here"}
+    # the claims went with this run: a rerun takes the cell the other process held (and stopped without finishing)
+    Board(Setup()).run(cells, run, keys=lambda c: {}, done=lambda r: "", write=lambda rows: None, desc="", log=print)
+    assert ran == ["a-seed0", "a-seed3", "a-seed1"]
+
+
+def test_a_cell_that_needs_another_waits_for_the_process_holding_it(tmp_path):
+    """`claim(..., wait=True)`: the translation board's uptraining cells wait for the process training their parent
+    rather than train it a second time beside it."""
+    import threading
+
+    from experiments.common import claim
+
+    order = []
+
+    def waiter() -> None:
+        with claim(tmp_path, "parent-mha-seed0", wait=True) as mine:
+            order.append(("waiter", mine))
+
+    with claim(tmp_path, "parent-mha-seed0") as mine:
+        assert mine
+        with claim(tmp_path, "parent-mha-seed0") as again:  # a second holder without waiting is told no at once
+            assert not again
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive()  # still waiting while the parent is held
+        order.append(("holder", True))
+    thread.join(timeout=10)
+    assert order == [("holder", True), ("waiter", True)]

@@ -60,7 +60,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, MarianMTModel
 from transformers.cache_utils import EncoderDecoderCache
 
-from experiments.common import Benchmark, Board, main
+from experiments.common import Benchmark, Board, claim, main
 from experiments.speed.scaling import cache_nbytes
 from experiments.translation.cells import Cell, TranslationSetup, bucket_names, bucket_of, plan
 from experiments.translation.native import marian_config
@@ -552,10 +552,11 @@ def run_cell(setup: TranslationSetup, cell: Cell, corpus: Corpus) -> dict:
         alpha, repair = float(alpha), repair or "ce"
         groups = setup.gqa_key_value_heads if target_kind == "gqa" else 1
         parent = cell_folder(setup, parent_cell(setup)) / "final"
-        if not parent.is_dir():
-            # its row is in board.json but its checkpoint is not (checkpoints are not committed: a board resumed in
-            # another clone): the same run again, the seed and data order the same
-            train_parent(setup, corpus, tokens)
+        with claim(Path(setup.output_dir), parent_cell(setup).name, wait=True):  # another process may be training it
+            if not parent.is_dir():
+                # its row is in board.json but its checkpoint is not (checkpoints are not committed: a board resumed
+                # in another clone): the same run again, the seed and data order the same
+                train_parent(setup, corpus, tokens)
         calibration = sum(len(s) + len(t) for s, t in corpus.train[: setup.calibration_pairs])
         model_args = ["--model.init_from", str(parent), "--convert.num_key_value_heads", str(groups)]
         model_args += ["--convert.method", method, "--convert.calibration_tokens", str(calibration)]
