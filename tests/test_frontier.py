@@ -89,6 +89,24 @@ def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path,
     assert "| mqa | transfer_distill | 256 |" in (Path(options.output_dir) / "results.md").read_text()
 
 
+def test_transfer_of_several_passes_is_a_cell_of_its_own(tmp_path, sotu):
+    one = frontier.run_frontier(setup(tmp_path, sotu, targets=["mqa"], budgets=[256], methods=["transfer"]), print)
+    options = setup(tmp_path, sotu, targets=["mqa"], budgets=[256], methods=["transfer"], transfer_epochs=3)
+    result = frontier.run_frontier(options, log=lambda _: None)
+    rows = {row["cell"]: row for row in result["rows"]}
+    assert sorted(rows) == ["mqa-transfer-256", "mqa-transfer-256-epochs3"]  # the one-pass cell kept beside it
+    assert rows["mqa-transfer-256"] == one["rows"][0] and "--transfer_epochs" not in one["rows"][0]["command"]
+    three = rows["mqa-transfer-256-epochs3"]
+    assert three["transfer_epochs"] == 3 and "--transfer_epochs 3" in three["command"]
+
+    def steps(cell: str) -> list[int]:
+        summary = json.loads((Path(options.output_dir) / "cells" / cell / "training_summary.json").read_text())
+        return [layer["steps"] for layer in summary["transfer"]["layers"]]
+
+    assert steps(three["cell"]) == [3 * n for n in steps("mqa-transfer-256")]
+    assert "| mqa | transfer, 3 epochs | 256 |" in (Path(options.output_dir) / "results.md").read_text()
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [

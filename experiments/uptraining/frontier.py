@@ -9,7 +9,7 @@ they mean the same, the rest fresh). Methods (`--methods`):
 
 - `ce`: cross-entropy uptraining (`convert --distill --alpha 1`: the labels alone, the parent never run);
 - `transfer`: attention transfer alone (`convert --transfer`: each converted layer trained to reproduce the parent
-  layer's attention output, LoLCATs' first stage);
+  layer's attention output, LoLCATs' first stage; `--transfer_epochs N` passes over its tokens, cells of their own);
 - `transfer_distill`: transfer, then the whole model trained on the parent's next-token distribution (`convert
   --transfer --distill`, KL at `--temperature` mixed with `--alpha` of cross-entropy).
 
@@ -81,6 +81,9 @@ class FrontierSetup(Results):
     learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate of ce and distillation"})
     transfer_learning_rate: float = field(default=1e-3, metadata={"help": "Adam's rate of attention transfer"})
     transfer_batch_size: int = field(default=4, metadata={"help": "rows per attention-transfer step"})
+    transfer_epochs: int = field(
+        default=1, metadata={"help": "passes of attention transfer over its tokens (a cell of its own unless 1)"}
+    )
     temperature: float = field(default=2.0, metadata={"help": "distillation's temperature"})
     alpha: float = field(default=0.0, metadata={"help": "distillation's weight of the labels' cross-entropy"})
     topk: int | None = field(
@@ -110,8 +113,18 @@ def target_options(target: str, pooling: str) -> list[str]:
     return ["--to", variant]
 
 
-def cell_name(target: str, method: str, budget: int) -> str:
-    return f"{target.replace(':', '').replace('+', '_')}-{method if budget else 'converted'}-{budget}"
+TRANSFERS = ("transfer", "transfer_distill")
+
+
+def cell_name(target: str, method: str, budget: int, transfer_epochs: int = 1) -> str:
+    epochs = f"-epochs{transfer_epochs}" if method in TRANSFERS and transfer_epochs != 1 and budget else ""
+    return f"{target.replace(':', '').replace('+', '_')}-{method if budget else 'converted'}-{budget}{epochs}"
+
+
+def method_label(row: dict) -> str:
+    """A row's method as the table and the plot name it: a transfer of more than one pass says how many."""
+    epochs = row.get("transfer_epochs", 1)
+    return row["method"] + (f", {epochs} epochs" if epochs != 1 else "")
 
 
 def cells(setup: FrontierSetup) -> list[tuple[str, str, int]]:
@@ -137,9 +150,10 @@ def command(setup: FrontierSetup, target: str, method: str, budget: int, files: 
     if budget == 0:
         return argv
     argv += ["--data", *files["train"], "--tokens", str(budget), "--block_size", str(setup.block_size)]
-    if method in ("transfer", "transfer_distill"):
+    if method in TRANSFERS:
         argv += ["--transfer", "--transfer_learning_rate", str(setup.transfer_learning_rate)]
         argv += ["--transfer_batch_size", str(setup.transfer_batch_size)]
+        argv += ["--transfer_epochs", str(setup.transfer_epochs)] if setup.transfer_epochs != 1 else []
     if method in ("ce", "transfer_distill"):
         alpha = 1.0 if method == "ce" else setup.alpha
         argv += ["--distill", "--alpha", str(alpha), "--temperature", str(setup.temperature)]
@@ -164,13 +178,14 @@ def references(setup: FrontierSetup, folder: str) -> dict[str, float]:
 
 
 def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files: dict) -> dict:
-    out = Path(setup.output_dir) / "cells" / cell_name(target, method, budget)
+    epochs = setup.transfer_epochs if method in TRANSFERS else 1
+    out = Path(setup.output_dir) / "cells" / cell_name(target, method, budget, epochs)
     argv = command(setup, target, method, budget, files, out)
     summary_file, scored_file = out / "training_summary.json", out / "frontier.json"
     if not scored_file.is_file():  # written last: a cell stopped before it runs again (convert keeps what it finds)
         start = time.perf_counter()
         if command_line(argv) != 0:
-            raise SystemExit(f"{cell_name(target, method, budget)}: hf-attn-zoo {' '.join(argv)} failed")
+            raise SystemExit(f"{out.name}: hf-attn-zoo {' '.join(argv)} failed")
         seconds = time.perf_counter() - start
         scored = {"seconds": round(seconds, 1), "reference_perplexity": references(setup, str(out))}
         write_atomically(scored_file, json.dumps(scored, indent=2))
@@ -182,6 +197,7 @@ def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files:
         "cell": out.name,
         "target": target,
         "method": method,
+        **({"transfer_epochs": epochs} if epochs != 1 else {}),
         "tokens": budget,
         "held_out_perplexity": final,
         "parent_held_out_perplexity": held_out["parent"],
@@ -259,10 +275,10 @@ def frontier_table(result: dict) -> str:
         + " |",
     ]
     targets = targets_of(result)
-    for row in sorted(rows, key=lambda r: (targets.index(r["target"]), r["tokens"], r["method"])):
+    for row in sorted(rows, key=lambda r: (targets.index(r["target"]), r["tokens"], method_label(r))):
         change = row["held_out_perplexity"] / parent["held_out_perplexity"] - 1
         lines.append(
-            f"| {row['target']} | {row['method']} | {row['tokens']:,} | {row['held_out_perplexity']:,.2f} | "
+            f"| {row['target']} | {method_label(row)} | {row['tokens']:,} | {row['held_out_perplexity']:,.2f} | "
             f"{change:+.1%} | "
             + "".join(f"{row['reference_perplexity'][n]:,.2f} | " for n in names)
             + f"{row['seconds']:,.0f} |"
@@ -283,16 +299,21 @@ def plot_frontier(result: dict, path: Path) -> bool:
         for axis, target in zip(axes[0], targets, strict=True):
             rows = [row for row in result["rows"] if row["target"] == target]
             start = [row for row in rows if row["tokens"] == 0]
-            for method in METHODS:
-                points = sorted(start + [row for row in rows if row["method"] == method], key=lambda r: r["tokens"])
-                if len(points) > len(start):
-                    axis.plot(
-                        [row["tokens"] / 1e3 for row in points],
-                        [row["held_out_perplexity"] for row in points],
-                        marker="o",
-                        color=colour(method),
-                        label=method,
-                    )
+            trained = sorted(
+                (row for row in rows if row["tokens"]),
+                key=lambda r: (METHODS.index(r["method"]), r.get("transfer_epochs", 1)),
+            )
+            for label in dict.fromkeys(map(method_label, trained)):  # a transfer of several passes: its own line
+                line = [row for row in trained if method_label(row) == label]
+                points = sorted(start + line, key=lambda r: r["tokens"])
+                axis.plot(
+                    [row["tokens"] / 1e3 for row in points],
+                    [row["held_out_perplexity"] for row in points],
+                    marker="o",
+                    color=colour(line[0]["method"]),
+                    linestyle="-" if label in METHODS else "-.",
+                    label=label,
+                )
             axis.axhline(parent, color=colour("parent"), linestyle="--", label=f"parent ({parent:.1f})")
             axis.axhline(parent * (1 + TOLERANCE), color=colour("parent"), linestyle=":", label="parent + 10%")
             axis.set(title=target, xlabel="training tokens (thousands)", yscale="log")
