@@ -78,3 +78,80 @@ def test_banded_kernel_gives_padding_queries_what_the_dense_path_gives():
         banded = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
         dense = model(input_ids, attention_mask=attention_mask, use_cache=False, output_attentions=True).logits
     torch.testing.assert_close(banded, dense, atol=ATOL, rtol=0)
+
+
+def sink_reference_mask(length: int, window: int, sinks: int) -> torch.Tensor:
+    """(T, T) True where query i sees key j: causal, and within the window or one of the first `sinks` keys."""
+    queries, keys = torch.arange(length)[:, None], torch.arange(length)[None]
+    return (keys <= queries) & ((queries - keys < window) | (keys < sinks))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_sink_tokens_are_the_window_or_the_first_tokens(implementation):
+    """StreamingLLM's mask: against the same weights under a full window given that mask from outside; more new
+    tokens than 2w (where the plain window takes its banded kernel) stay on the dense path."""
+    model = tiny_model("sliding_window", sliding_window=4, num_sink_tokens=2, attn_implementation=implementation)
+    full = tiny_model("sliding_window", sliding_window=64, attn_implementation=implementation)
+    full.load_state_dict(model.state_dict())
+    input_ids = torch.randint(3, 90, (2, 20))
+    allowed = sink_reference_mask(20, window=4, sinks=2)[None, None].expand(2, 1, 20, 20)
+    allowed = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)  # additive, as eager's
+    with torch.no_grad():
+        sunk = model(input_ids).logits
+        torch.testing.assert_close(sunk, full(input_ids, attention_mask=allowed).logits, atol=ATOL, rtol=0)
+        plain = tiny_model("sliding_window", sliding_window=4, attn_implementation=implementation)
+        plain.load_state_dict(model.state_dict())
+        assert not torch.allclose(sunk[:, 6:], plain(input_ids).logits[:, 6:], atol=1e-3)  # the sinks matter
+    assert model.model.attention_class.mask_kind(model.config, 20, False) == "dense"
+
+
+def test_sink_tokens_decode_as_the_uncached_forward_with_left_padding():
+    """Cached greedy decoding equals the uncached forward token by token, and a left-padded row's sinks are its own
+    first tokens: it decodes as it does alone. The cache keeps every key (the sinks lie before the window)."""
+    model = tiny_model("sliding_window", sliding_window=3, num_sink_tokens=2)
+    input_ids, attention_mask, rows = left_padded_batch(lengths=(9, 6, 4))
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        batch = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+        for i, row in enumerate(rows):
+            alone = model.generate(row[None], **kwargs)
+            assert torch.equal(batch[i, input_ids.shape[1] :], alone[0, len(row) :]), i
+            sequence = row[None]
+            for _ in range(12):  # no cache: every step reads the whole sequence again
+                sequence = torch.cat([sequence, model(sequence).logits[:, -1:].argmax(-1)], dim=1)
+            assert torch.equal(alone, sequence), i
+        out = model(input_ids, attention_mask=attention_mask, use_cache=True)
+    assert returned_cache(out).layers[0].keys.shape[2] == input_ids.shape[1]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"num_sink_tokens": -1}, "num_sink_tokens=-1 must be an integer >= 0"),
+        ({"num_sink_tokens": 1.5}, "num_sink_tokens=1.5 must be an integer >= 0"),
+        ({"num_sink_tokens": 2, "is_encoder_decoder": True}, "an encoder-decoder takes the plain window"),
+    ],
+)
+def test_sink_tokens_that_cannot_work_are_refused(fields, named):
+    with pytest.raises(ValueError, match=named):
+        tiny_model("sliding_window", sliding_window=4, **fields)
+
+
+def test_clients_that_build_the_window_themselves_refuse_sink_tokens():
+    from hf_attn_zoo.convert.gguf_writer import gguf_refusal
+    from hf_attn_zoo.convert.llama import native_refusal
+    from hf_attn_zoo.models.clients_zoo import continuous_batching_refusal, vllm_refusal
+
+    model = tiny_model("sliding_window", sliding_window=4, num_sink_tokens=2)
+    attention, config = model.model.attention_class, model.config
+    for reason in (
+        native_refusal(config, "mistral"),
+        gguf_refusal(config),
+        vllm_refusal(attention, config),
+        continuous_batching_refusal(attention, config),
+    ):
+        assert reason is not None and "num_sink_tokens=2" in reason
+    plain = tiny_model("sliding_window", sliding_window=4).config
+    assert native_refusal(plain, "mistral") is None and vllm_refusal(attention, plain) is None
+    with pytest.raises(ValueError, match="cache_implementation='static' does not apply"):
+        model.generate(torch.randint(3, 90, (1, 5)), max_new_tokens=2, cache_implementation="static")

@@ -63,6 +63,8 @@ def gguf_refusal(config) -> str | None:
         return variant.attention_class.gguf_absence
     if architecture == "mamba":
         return mamba_gguf_refusal(config)
+    if variant.attention_class.mask_refusal(config) is not None:
+        return f"{variant.attention_class.mask_refusal(config)}, which llama.cpp's {architecture} mask does not keep"
     for field, required in LLAMA_BACKBONE.items():
         if getattr(config, field) != required:
             return f"{field}={getattr(config, field)!r}: llama.cpp's {architecture} needs {required!r}"

@@ -169,6 +169,9 @@ def native_refusal(config, target: str) -> str | None:
     for field, required in LLAMA_BACKBONE.items():
         if getattr(config, field) != required:
             return f"{field}={getattr(config, field)!r} has no {target} equivalent (its is {required!r})"
+    masked = get_variant(config.model_type).attention_class.mask_refusal(config)
+    if masked is not None:
+        return f"{masked}, which {target}'s mask does not keep"
     if target in ("qwen2", "mistral") and config.mlp_bias:
         return f"mlp_bias=True: {target}'s MLP has no biases"
     if target == "mistral" and config.attention_bias:

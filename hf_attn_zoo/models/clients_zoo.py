@@ -76,6 +76,8 @@ def continuous_batching_refusal(attention: type, config) -> str | None:
         return f"it keeps {attention.keeps_scores}, which transformers' paged-attention functions do not select"
     if attention.backends == ("eager",):
         return "its kernel is its own, not one of transformers' paged-attention functions"
+    if attention.mask_refusal(config) is not None:
+        return f"{attention.mask_refusal(config)}, which the paged-attention mask does not keep"
     if config.position_embedding_type == "alibi":
         return "ALiBi's bias needs each key's position, which transformers' paged cache does not pass to the mask"
     return None
@@ -105,6 +107,8 @@ def vllm_refusal(attention: type, config) -> str | None:
         return f"it keeps {attention.keeps_scores}, which vLLM's attention does not select"
     if attention.backends == ("eager",):
         return "its kernel is its own, not an attention function vLLM can replace with its own"
+    if attention.mask_refusal(config) is not None:
+        return f"{attention.mask_refusal(config)}, which vLLM's own causal (or windowed) mask does not keep"
     if config.position_embedding_type == "alibi":
         return "ALiBi's bias arrives in the attention mask, which vLLM's attention does not read"
     return None
@@ -159,6 +163,8 @@ def kv_compression_refusal(attention: type, config) -> str | None:
         # the presses rotate the queries they rebuild with the model's rotary embedding, which this config lacks
         position = config.position_embedding_type
         return f"presses rebuild RoPE queries, and this model has position_embedding_type={position!r}"
+    if attention.mask_refusal(config) is not None:
+        return f"{attention.mask_refusal(config)}, found by their slots, which evicting tokens shifts{every_press}"
     return None
 
 

@@ -149,7 +149,7 @@ def build_mask(mask_function: Callable, allow_is_causal_skip: bool = True, **kwa
         past = cache.get_seq_length() if cache is not None else 0
         length = kwargs["inputs_embeds"].shape[1]
         kwargs["cache_position"] = torch.arange(past, past + length, device=kwargs["inputs_embeds"].device)
-    if not allow_is_causal_skip:
+    if not allow_is_causal_skip and kwargs.get("and_mask_function") is None:
         kwargs["and_mask_function"] = _keep_all
     return mask_function(**kwargs)
 

@@ -226,18 +226,24 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         self.post_init()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """`generate` builds a cache of key/value layers; a variant that decodes from a state puts its own in place,
-        and refuses cache implementations (static, quantized, offloaded) that presuppose keys and values."""
+        """`generate` builds a cache of key/value layers from the config; a variant that decodes from a state, or
+        whose layers keep other keys than the config's fields say (a window with sink tokens), puts the model's own
+        in place, and refuses cache implementations (static, quantized, offloaded) that would build another."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if not self.model.attention_class.decodes_from_state():
+        attention = self.model.attention_class
+        if attention.decodes_from_state():
+            why = "decodes from a state per layer, not from keys and values"
+        elif attention.cache_config(self.config) is not self.config:
+            why = "keeps other keys than transformers' cache for its config would (sink tokens beside its window)"
+        else:
             return
         cache = model_kwargs.get(CACHE_KWARG)
         if cache is None or getattr(cache, "_is_user_defined", False):
             return
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ValueError(
-                f"{self.config.model_type} decodes from a state per layer, not from keys and values: "
-                f"cache_implementation={generation_config.cache_implementation!r} does not apply; leave it unset."
+                f"{self.config.model_type} {why}: cache_implementation={generation_config.cache_implementation!r} "
+                f"does not apply; leave it unset."
             )
         model_kwargs[CACHE_KWARG] = self.model.make_cache()
 
@@ -257,14 +263,17 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         attention = self.model.attention_class
         if attention.mask_kind(config, inputs_embeds.shape[1], False) != "dense":
             return attention_mask
+        padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
+        builder, extra = attention.dense_mask_builder(config, padding, inputs_embeds.shape[0])
         return build_mask(  # transformers' builder; before 5.3 it also takes generate's `cache_position`
-            attention.dense_mask_function,
+            builder,
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
             cache_position=kwargs.get("cache_position"),
+            **extra,
         )
 
     @property

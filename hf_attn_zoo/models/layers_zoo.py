@@ -7,6 +7,7 @@ flat siblings.
 """
 
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -194,6 +195,27 @@ class ZooAttention(ZooModule):
     def mask_kind(cls, config: ZooConfig, query_length: int, output_attentions: bool) -> str:
         """The mask kind for a forward of `query_length` new tokens; `mask_type` unless the kernel switches."""
         return cls.mask_type
+
+    @classmethod
+    def dense_mask_builder(
+        cls, config: ZooConfig, attention_mask: torch.Tensor | None, batch_size: int
+    ) -> tuple[Callable, dict]:
+        """transformers' builder of the dense mask for `config` and its keywords beyond the backbone's (an
+        `and_mask_function` cutting the causal mask further), from the 2D padding mask of the whole sequence (None:
+        no padding): `dense_mask_function` and none, unless a config field changes the mask."""
+        return cls.dense_mask_function, {}
+
+    @classmethod
+    def cache_config(cls, config: ZooConfig) -> ZooConfig:
+        """The config transformers' `DynamicCache` is built from: `config`, unless the layers must keep other keys
+        than its fields say (a window with sink tokens keeps every key, so it is built from an unwindowed copy)."""
+        return config
+
+    @classmethod
+    def mask_refusal(cls, config: ZooConfig) -> str | None:
+        """Why a client that builds the causal mask itself (continuous batching, vLLM, a native export) would compute
+        another function than this config's (a clause), or None."""
+        return None
 
     @classmethod
     def window(cls, config: ZooConfig) -> int | None:

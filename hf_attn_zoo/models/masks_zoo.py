@@ -174,14 +174,17 @@ def dense_mask(
             f"{config._attn_implementation!r} backend cannot take; load the model with attn_implementation='sdpa' or "
             f"'eager', or use position_embedding_type='rope'."
         )
+    padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
+    builder, extra = attention_class.dense_mask_builder(config, padding, inputs_embeds.shape[0])
     mask = build_mask(  # transformers' builder, through the fallback for older releases (compat_zoo)
-        attention_class.dense_mask_function,
+        builder,
         config=config,
         inputs_embeds=inputs_embeds,
         attention_mask=attention_mask,
         cache=cache,
         position_ids=position_ids,
         allow_is_causal_skip=not alibi,  # ALiBi needs the mask materialised to carry its bias
+        **extra,
     )
     if not alibi:
         return mask

@@ -248,7 +248,7 @@ class ZooModel(ZooPreTrainedModel):
         if self.attention_class.decodes_from_state():
             cache = ZooStateCache(num_layers, self.attention_class.cache_layer)
         else:
-            config = self.config
+            config = self.attention_class.cache_config(self.config)
             if num_layers != config.num_hidden_layers:  # a decoder of `decoder_layers`: transformers sizes by this
                 config = copy.copy(config)
                 config.num_hidden_layers = num_layers
