@@ -27,7 +27,7 @@ def setup(tmp_path, sotu, **fields) -> frontier.FrontierSetup:
         "parent": str(saved_model(tmp_path / "parent")),
         "data_dir": str(sotu),
         "output_dir": str(tmp_path / "frontier"),
-        "targets": ["mqa", "sliding_window:8"],
+        "targets": ["mqa", "sliding_window:8+2"],
         "budgets": [0, 256],
         "block_size": 32,
         "batch_size": 2,
@@ -47,8 +47,8 @@ def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path,
     assert sorted(rows) == sorted(
         [
             "mqa-converted-0",
-            "sliding_window8-converted-0",
-            *(f"{target}-{method}-256" for target in ("mqa", "sliding_window8") for method in frontier.METHODS),
+            "sliding_window8_2-converted-0",
+            *(f"{target}-{method}-256" for target in ("mqa", "sliding_window8_2") for method in frontier.METHODS),
         ]
     )
     parent = result["parent"]["held_out_perplexity"]
@@ -64,6 +64,10 @@ def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path,
         assert set(summary["held_out_perplexity"]) - {"parent"} == expected, row["cell"]
         assert row["command"].startswith(f"hf-attn-zoo convert {options.parent} ")
         assert set(row["reference_perplexity"]) == {"reference.txt"} and row["seconds"] > 0
+    converted = json.loads(
+        (Path(options.output_dir) / "cells" / "sliding_window8_2-converted-0" / "config.json").read_text()
+    )
+    assert (converted["sliding_window"], converted["num_sink_tokens"]) == (8, 2)  # the target's window and sinks
     ce = rows["mqa-ce-256"]
     assert "--alpha 1.0" in ce["command"] and "--transfer" not in ce["command"]
     assert "--calibration" in ce["command"] and "--method aligned" in ce["command"]
@@ -82,7 +86,7 @@ def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path,
         row["held_out_perplexity"] for row in rows.values()
     ]
     # a run of one target and budget reads its cell back and keeps every row the others wrote
-    subset = frontier.run_frontier(setup(tmp_path, sotu, targets=["sliding_window:8"], budgets=[0]), log=print)
+    subset = frontier.run_frontier(setup(tmp_path, sotu, targets=["sliding_window:8+2"], budgets=[0]), log=print)
     assert sorted(row["cell"] for row in subset["rows"]) == sorted(rows)
     written = json.loads((Path(options.output_dir) / "results.json").read_text())
     assert sorted(row["cell"] for row in written["rows"]) == sorted(rows)
@@ -113,6 +117,7 @@ def test_transfer_of_several_passes_is_a_cell_of_its_own(tmp_path, sotu):
         ({"methods": ["ce", "sgd"]}, "--methods sgd"),
         ({"budgets": [-1]}, "--budgets"),
         ({"targets": ["linear:4"]}, "--targets linear:4"),
+        ({"targets": ["sliding_window:64+x"]}, "--targets sliding_window:64\\+x"),
         ({"reference_texts": ["/no/such/file"]}, "--reference_texts /no/such/file"),
     ],
 )

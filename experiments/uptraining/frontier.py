@@ -3,7 +3,8 @@ three methods at matched token budgets, held-out perplexity against the parent's
 
 Targets (`--targets`, each `variant` or `variant:size`): `mqa` (pooled by `--pooling`, fitted on the last
 `--calibration_addresses` training addresses), `gqa:G`, `mla:R+P` (a latent of R and a shared RoPE key of P: R + P
-numbers cached per layer and token, against GQA-3's 2·3·64 = 384 for SmolLM2), `sliding_window:W`, and any other
+numbers cached per layer and token, against GQA-3's 2·3·64 = 384 for SmolLM2), `sliding_window:W` (a window of W
+keys) or `sliding_window:W+S` (and the first S tokens as attention sinks, StreamingLLM's), and any other
 target of `hf-attn-zoo convert` by name (`linear`, `aft_simple`, `bigbird` ...: the parent's projections copied where
 they mean the same, the rest fresh). Methods (`--methods`):
 
@@ -64,9 +65,11 @@ class FrontierSetup(Results):
             "mla:64+32",
             "sliding_window:64",
             "sliding_window:256",
+            "sliding_window:64+4",
+            "sliding_window:256+4",
             "linear",
         ],
-        metadata={"help": "variant or variant:size (gqa:G, mla:R+P, sliding_window:W)"},
+        metadata={"help": "variant or variant:size (gqa:G, mla:R+P, sliding_window:W or W+S with S sink tokens)"},
     )
     methods: list[str] = field(default_factory=lambda: list(METHODS), metadata={"help": f"of {METHODS}"})
     budgets: list[int] = field(
@@ -107,9 +110,13 @@ def target_options(target: str, pooling: str) -> list[str]:
         rank, _, rope = size.partition("+")
         return ["--to", "mla", "--kv_lora_rank", rank, *(["--qk_rope_head_dim", rope] if rope else [])]
     if variant == "sliding_window":
-        return ["--to", variant, "--config", json.dumps({"sliding_window": int(size)})]
+        window, _, sinks = size.partition("+")
+        if not window.isdigit() or not (sinks.isdigit() or not sinks):
+            raise SystemExit(f"--targets {target}: give sliding_window:W or sliding_window:W+S (whole numbers)")
+        fields = {"sliding_window": int(window), **({"num_sink_tokens": int(sinks)} if sinks else {})}
+        return ["--to", variant, "--config", json.dumps(fields)]
     if size:
-        raise SystemExit(f"--targets {target}: a size is read for gqa:G, mla:R+P and sliding_window:W only")
+        raise SystemExit(f"--targets {target}: a size is read for gqa:G, mla:R+P and sliding_window:W[+S] only")
     return ["--to", variant]
 
 
@@ -253,8 +260,10 @@ def write_frontier(out: Path, result: dict, log=print) -> None:
 
 
 def targets_of(result: dict) -> list[str]:
-    """The run's targets in its order, then those of rows earlier runs kept."""
-    return list(dict.fromkeys([*result["setup"]["targets"], *(row["target"] for row in result["rows"])]))
+    """The default targets in their order, then the run's, then those of rows earlier runs kept: the table and the
+    plot keep one order whichever targets the last run named."""
+    named = [*FrontierSetup().targets, *result["setup"]["targets"], *(row["target"] for row in result["rows"])]
+    return list(dict.fromkeys(named))
 
 
 def frontier_table(result: dict) -> str:
