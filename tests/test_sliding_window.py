@@ -129,7 +129,8 @@ def test_sink_tokens_decode_as_the_uncached_forward_with_left_padding():
     [
         ({"num_sink_tokens": -1}, "num_sink_tokens=-1 must be an integer >= 0"),
         ({"num_sink_tokens": 1.5}, "num_sink_tokens=1.5 must be an integer >= 0"),
-        ({"num_sink_tokens": 2, "is_encoder_decoder": True}, "an encoder-decoder takes the plain window"),
+        ({"num_sink_tokens": 2, "is_encoder_decoder": True}, "an encoder-decoder or the bidirectional form"),
+        ({"num_sink_tokens": 2, "is_decoder": False}, "an encoder-decoder or the bidirectional form"),
     ],
 )
 def test_sink_tokens_that_cannot_work_are_refused(fields, named):
@@ -155,3 +156,17 @@ def test_clients_that_build_the_window_themselves_refuse_sink_tokens():
     assert native_refusal(plain, "mistral") is None and vllm_refusal(attention, plain) is None
     with pytest.raises(ValueError, match="cache_implementation='static' does not apply"):
         model.generate(torch.randint(3, 90, (1, 5)), max_new_tokens=2, cache_implementation="static")
+
+
+def test_a_cache_that_drops_keys_past_the_window_is_refused_with_sinks():
+    """transformers' caches built from the config evict keys past the window, the sinks with them: refused before
+    any layer runs; the model's own cache keeps every key."""
+    from transformers import DynamicCache, StaticCache
+
+    model = tiny_model("sliding_window", sliding_window=3, num_sink_tokens=2)
+    input_ids = torch.randint(3, 90, (1, 6))
+    for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=16)):
+        with pytest.raises(TypeError, match="drops keys past the window, and every token also sees the first"):
+            model(input_ids, cache=cache, use_cache=True)
+    out = model(input_ids, cache=model.model.make_cache(), use_cache=True)
+    assert returned_cache(out).get_seq_length() == 6

@@ -621,6 +621,7 @@ def run_board(setup: TranslationSetup, log: Callable[[str], None] = print) -> li
         desc="translation board",
         log=log,
     )
+    board.refresh()  # rows other processes of this board recorded after this one's last cell
     write_board(setup, board.rows, log=log)
     return board.rows
 

@@ -264,7 +264,7 @@ class ZooForCausalLM(ZooHead, GenerationMixin):
         if attention.mask_kind(config, inputs_embeds.shape[1], False) != "dense":
             return attention_mask
         padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
-        builder, extra = attention.dense_mask_builder(config, padding, inputs_embeds.shape[0])
+        builder, extra = attention.dense_mask_builder(config, padding)
         return build_mask(  # transformers' builder; before 5.3 it also takes generate's `cache_position`
             builder,
             config=config,

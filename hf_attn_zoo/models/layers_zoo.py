@@ -197,9 +197,7 @@ class ZooAttention(ZooModule):
         return cls.mask_type
 
     @classmethod
-    def dense_mask_builder(
-        cls, config: ZooConfig, attention_mask: torch.Tensor | None, batch_size: int
-    ) -> tuple[Callable, dict]:
+    def dense_mask_builder(cls, config: ZooConfig, attention_mask: torch.Tensor | None) -> tuple[Callable, dict]:
         """transformers' builder of the dense mask for `config` and its keywords beyond the backbone's (an
         `and_mask_function` cutting the causal mask further), from the 2D padding mask of the whole sequence (None:
         no padding): `dense_mask_function` and none, unless a config field changes the mask."""

@@ -175,7 +175,7 @@ def dense_mask(
             f"'eager', or use position_embedding_type='rope'."
         )
     padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
-    builder, extra = attention_class.dense_mask_builder(config, padding, inputs_embeds.shape[0])
+    builder, extra = attention_class.dense_mask_builder(config, padding)
     mask = build_mask(  # transformers' builder, through the fallback for older releases (compat_zoo)
         builder,
         config=config,

@@ -19,7 +19,8 @@ off changes every later layer's input (SmolLM2-135M converted, held-out perplexi
 with four sinks 20.9). With sinks the dense path runs (transformers' causal mask and-ed with window-or-sink; eager,
 sdpa or flex) and the cache keeps every key, so its memory grows with the length as full attention's does: evicting
 the keys between the sinks and the window is not done here, and clients that build the window mask themselves
-(Mistral's export, llama.cpp, vLLM, continuous batching) are refused.
+(Mistral's export, llama.cpp, vLLM, continuous batching) are refused. In a row packed with several documents the
+sinks are the row's first tokens, which only its first document sees: the later ones have none.
 """
 
 import copy
@@ -58,10 +59,10 @@ class ZooSlidingWindowConfig(ZooConfig):
                 f"num_sink_tokens={sinks!r} must be an integer >= 0: how many of the first tokens every token sees "
                 f"besides its window (0 for a plain window)."
             )
-        if sinks and self.is_encoder_decoder:
+        if sinks and (self.is_encoder_decoder or not self.is_decoder):
             raise ValueError(
-                f"num_sink_tokens={sinks}: sink tokens belong to a causal decoder; an encoder-decoder takes the plain "
-                f"window, num_sink_tokens=0."
+                f"num_sink_tokens={sinks}: sink tokens belong to a causal decoder; an encoder-decoder or the "
+                f"bidirectional form (is_decoder=False) takes the plain window, num_sink_tokens=0."
             )
         if (
             not isinstance(self.sliding_window, int)
@@ -108,7 +109,7 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
 
     @classmethod
     def dense_mask_builder(
-        cls, config: ZooSlidingWindowConfig, attention_mask: torch.Tensor | None, batch_size: int
+        cls, config: ZooSlidingWindowConfig, attention_mask: torch.Tensor | None
     ) -> tuple[Callable, dict]:
         """With sink tokens the causal mask (`create_causal_mask`) and-ed with "within the window, or one of the
         first s real tokens of the row": keys are numbered from the row's start (the cache keeps every key), and a
@@ -116,14 +117,16 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
         sinks, window = config.num_sink_tokens, config.sliding_window
         if not sinks:
             return cls.dense_mask_function, {}
-        if attention_mask is None:
-            first = torch.zeros(batch_size, dtype=torch.long)
-        else:
-            first = attention_mask.long().argmax(-1)  # (B,): the index of each row's first real token
-        first = first.to(attention_mask.device if attention_mask is not None else "cpu")
+        if attention_mask is None:  # every row starts at index 0
 
-        def window_or_sink(batch_idx, head_idx, q_idx, kv_idx):
-            return (q_idx - kv_idx < window) | (kv_idx < first[batch_idx] + sinks)
+            def window_or_sink(batch_idx, head_idx, q_idx, kv_idx):
+                return (q_idx - kv_idx < window) | (kv_idx < sinks)
+
+        else:
+            first = attention_mask.long().argmax(-1)  # (B,), on the mask's device: each row's first real token
+
+            def window_or_sink(batch_idx, head_idx, q_idx, kv_idx):
+                return (q_idx - kv_idx < window) | (kv_idx < first[batch_idx] + sinks)
 
         return create_causal_mask, {"and_mask_function": window_or_sink}
 
@@ -143,8 +146,10 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
 
     @classmethod
     def mixing_flops_per_token(cls, config: ZooSlidingWindowConfig, seq_len: int) -> float:
-        # dot-product attention over the last w keys only (the banded kernel computes no more)
-        return super().mixing_flops_per_token(config, min(seq_len, config.sliding_window))
+        # dot-product attention over the last w keys (and the sinks) only: the banded kernel computes no more; with
+        # sinks the dense path computes the masked scores too, which count here as nothing
+        seen = min(seq_len, config.sliding_window + config.num_sink_tokens)
+        return super().mixing_flops_per_token(config, seen)
 
     def attend(self, query, key, value, attention_mask, **kwargs):
         if isinstance(attention_mask, BlockwiseCausalMask):
