@@ -19,8 +19,7 @@ off changes every later layer's input (SmolLM2-135M converted, held-out perplexi
 with four sinks 20.9). With sinks the dense path runs (transformers' causal mask and-ed with window-or-sink; eager,
 sdpa or flex) and the cache keeps every key, so its memory grows with the length as full attention's does: evicting
 the keys between the sinks and the window is not done here, and clients that build the window mask themselves
-(Mistral's export, llama.cpp, vLLM, continuous batching) are refused. In a row packed with several documents the
-sinks are the row's first tokens, which only its first document sees: the later ones have none.
+(Mistral's export, llama.cpp, vLLM, continuous batching) are refused.
 """
 
 import copy
