@@ -170,3 +170,19 @@ def test_a_cache_that_drops_keys_past_the_window_is_refused_with_sinks():
             model(input_ids, cache=cache, use_cache=True)
     out = model(input_ids, cache=model.model.make_cache(), use_cache=True)
     assert returned_cache(out).get_seq_length() == 6
+
+
+def test_packed_documents_each_have_their_own_sinks():
+    """Documents packed in one row, positions restarting and no mask or cache (padding-free training): transformers'
+    mask builder counts each document's keys from its own start, so each sees its own first tokens, as alone."""
+    model = tiny_model("sliding_window", sliding_window=3, num_sink_tokens=2)
+    generator = torch.Generator().manual_seed(3)
+    documents = [torch.randint(3, 90, (n,), generator=generator) for n in (7, 9, 5)]
+    position_ids = torch.cat([torch.arange(len(d)) for d in documents])[None]
+    with torch.no_grad():
+        packed = model(torch.cat(documents)[None], position_ids=position_ids, use_cache=False).logits[0]
+        start = 0
+        for document in documents:
+            alone = model(document[None]).logits[0]
+            torch.testing.assert_close(packed[start : start + len(document)], alone, atol=ATOL, rtol=0)
+            start += len(document)
