@@ -231,6 +231,15 @@ STOP = "STOP"  # a board stops between cells when its folder holds this file (`t
 
 
 @contextmanager
+def exclusive(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` (created if missing) for the block: processes sharing a results file
+    read, merge and rewrite it one at a time."""
+    with open(lock_file, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+@contextmanager
 def claim(folder: Path, cell: str, wait: bool = False) -> Iterator[bool]:
     """True while this process holds the board's `cell` (an exclusive lock on `<folder>/claims/<cell>.lock`, which
     the system drops when the process ends, however it ends); False where another process holds it, or, with `wait`,
@@ -285,8 +294,7 @@ class Board:
         recorded since this one read the file are kept: several runs of one board (one per core) share its board.json
         without dropping each other's rows."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / "board.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        with exclusive(self.folder / "board.lock"):
             self.refresh()
             self.rows = [*(r for r in self.rows if r["cell"] != row["cell"]), row]
             write_atomically(self.path, json.dumps({"defining": self.defining, "rows": self.rows}, indent=2) + "\n")

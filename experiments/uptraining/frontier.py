@@ -23,8 +23,11 @@ addresses (windows of `--eval_max_length`), and each of `--reference_texts` (BOS
 
 Each cell is one `hf-attn-zoo convert` command run in this process (its argument list is kept in the row, so any
 row is reproduced by that command), saved in `<output_dir>/cells/<cell>`: a cell whose `training_summary.json`
-exists is read back, so the experiment resumes where it stopped. results.md / .json and frontier.png are rewritten
-after every cell, and for the committed study (the default `--output_dir`) the table in docs/studies/frontier.md.
+exists is read back, so the experiment resumes where it stopped; the same command started once per core shares the
+cells (`claims/`) and merges its rows into one results.json. results.md / .json and frontier.png are rewritten after
+every cell, and for the committed studies (the default `--output_dir`, and a folder beside it whose markers the page
+holds, as `frontier_converged/` for the converged SOTU parent) their
+tables in docs/studies/frontier.md.
 
     python -m experiments convert-frontier --reference_texts /usr/share/common-licenses/GPL-3 \
         /usr/share/common-licenses/Apache-2.0
@@ -36,7 +39,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from experiments.common import REPOSITORY, Benchmark, Results, main, replace_between, write_results
+from experiments.common import (
+    REPOSITORY,
+    Benchmark,
+    Results,
+    claim,
+    exclusive,
+    main,
+    replace_between,
+    write_results,
+)
 from experiments.uptraining.uptraining import SOTU, STUDY, reference_perplexity, split_by_year
 from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
@@ -48,6 +60,20 @@ METHODS = ("ce", "transfer", "transfer_distill")
 TOLERANCE = 0.10  # the targets: within 10% of the parent's held-out perplexity
 DOCS = REPOSITORY / "docs" / "studies" / "frontier.md"
 MARKERS = ("<!-- conversion frontier results: begin -->", "<!-- conversion frontier results: end -->")
+
+
+def docs_markers(out: Path) -> tuple[str, str] | None:
+    """The docs page's markers around the table of the study in `out`: the SmolLM2 study's (`frontier/`) or, for
+    another committed study under this folder (the converged SOTU parent's, `frontier_converged/`), markers naming
+    its folder; None for a run elsewhere (a scratch or test folder), whose table stays in its own results.md."""
+    if out.resolve() == (STUDY / "frontier").resolve():
+        return MARKERS
+    if out.resolve().parent != STUDY.resolve():
+        return None
+    return (
+        f"<!-- conversion frontier results, {out.name}: begin -->",
+        f"<!-- conversion frontier results, {out.name}: end -->",
+    )
 
 
 @dataclass
@@ -184,8 +210,12 @@ def references(setup: FrontierSetup, folder: str) -> dict[str, float]:
     }
 
 
+def cell_epochs(setup: FrontierSetup, method: str) -> int:
+    return setup.transfer_epochs if method in TRANSFERS else 1
+
+
 def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files: dict) -> dict:
-    epochs = setup.transfer_epochs if method in TRANSFERS else 1
+    epochs = cell_epochs(setup, method)
     out = Path(setup.output_dir) / "cells" / cell_name(target, method, budget, epochs)
     argv = command(setup, target, method, budget, files, out)
     summary_file, scored_file = out / "training_summary.json", out / "frontier.json"
@@ -236,27 +266,43 @@ def run_frontier(setup: FrontierSetup, log=print) -> dict:
     if not parent_file.is_file():
         write_atomically(parent_file, json.dumps({"reference_perplexity": references(setup, setup.parent)}))
     parent = json.loads(parent_file.read_text())
-    # a run of some targets or budgets keeps the rows earlier runs wrote for the others
-    earlier = json.loads((out / "results.json").read_text())["rows"] if (out / "results.json").is_file() else []
-    rows = {row["cell"]: row for row in earlier}
-    result = {"setup": asdict(setup), "parent": parent, "rows": list(rows.values())}
     for target, method, budget in plan:
-        row = run_cell(setup, target, method, budget, files)
-        rows[row["cell"]] = row
-        log(f"{row['cell']}: held-out {row['held_out_perplexity']:.2f}, {row['seconds'] / 60:.1f} min")
+        name = cell_name(target, method, budget, cell_epochs(setup, method))
+        with claim(out, name) as mine:
+            if not mine:  # the same command started once per core shares the cells
+                log(f"{name}: under way in another process of this frontier")
+                continue
+            row = run_cell(setup, target, method, budget, files)
         parent["held_out_perplexity"] = row["parent_held_out_perplexity"]
-        result = {"setup": asdict(setup), "parent": parent, "rows": list(rows.values())}
-        write_frontier(out, result, log=lambda _: None)
-    write_frontier(out, result, log=log)
-    return result
+        record(out, setup, parent, row)
+        log(f"{row['cell']}: held-out {row['held_out_perplexity']:.2f}, {row['seconds'] / 60:.1f} min")
+    return record(out, setup, parent, log=log)
+
+
+def record(out: Path, setup: FrontierSetup, parent: dict, row: dict | None = None, log=lambda _: None) -> dict:
+    """results.json's rows with `row` added (or replacing its cell's), the table, plot and docs rewritten from them.
+    Under a lock, and from the file as it is now: a run of some targets or budgets keeps the rows earlier runs wrote
+    for the others, and processes running cells of one frontier at once keep each other's."""
+    with exclusive(out / "results.lock"):
+        path = out / "results.json"
+        stored = json.loads(path.read_text()) if path.is_file() else {"parent": {}, "rows": []}
+        rows = {r["cell"]: r for r in stored["rows"]}
+        if row is not None:
+            rows[row["cell"]] = row
+        result = {"setup": asdict(setup), "parent": {**stored["parent"], **parent}, "rows": list(rows.values())}
+        if rows and "held_out_perplexity" in result["parent"]:
+            write_frontier(out, result, log=log)
+        return result
 
 
 def write_frontier(out: Path, result: dict, log=print) -> None:
-    """results.md / .json and the plot; for the committed study, its table on the docs page too."""
+    """results.md / .json and the plot; for a committed study whose markers the docs page holds, its table there
+    too."""
     table = frontier_table(result)
     write_results(out, "results", result, table, frontier_figures(result), log=log)
-    if out.resolve() == (STUDY / "frontier").resolve():
-        replace_between(DOCS, MARKERS, table)
+    markers = docs_markers(out)
+    if markers is not None:
+        replace_between(DOCS, markers, table)  # a page without the markers is left as it is
 
 
 def targets_of(result: dict) -> list[str]:
