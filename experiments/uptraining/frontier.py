@@ -26,8 +26,7 @@ row is reproduced by that command), saved in `<output_dir>/cells/<cell>`: a cell
 exists is read back, so the experiment resumes where it stopped; the same command started once per core shares the
 cells (`claims/`) and merges its rows into one results.json. results.md / .json and frontier.png are rewritten after
 every cell, and for the committed studies (the default `--output_dir`, and a folder beside it whose markers the page
-holds, as `frontier_converged/` for the converged SOTU parent) their
-tables in docs/studies/frontier.md.
+holds, as `frontier_converged/` for the converged SOTU parent) their tables in docs/studies/frontier.md.
 
     python -m experiments convert-frontier --reference_texts /usr/share/common-licenses/GPL-3 \
         /usr/share/common-licenses/Apache-2.0
