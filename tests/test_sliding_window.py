@@ -1,9 +1,10 @@
-"""Sliding window: the banded kernel, w >= T as plain causal attention, and the rolling cache."""
+"""Sliding window: the banded kernel, w >= T as plain causal attention, the rolling cache; sink tokens, their mask
+and StreamingLLM's evicting cache."""
 
 import pytest
 import torch
 
-from conftest import ATOL, left_padded_batch, positions_from_mask, returned_cache, tiny_model
+from conftest import ATOL, CACHE_KWARG, left_padded_batch, positions_from_mask, returned_cache, tiny_model
 
 
 @pytest.mark.parametrize("position", ["rope", "alibi", "learned"])
@@ -106,8 +107,9 @@ def test_sink_tokens_are_the_window_or_the_first_tokens(implementation):
 
 
 def test_sink_tokens_decode_as_the_uncached_forward_with_left_padding():
-    """Cached greedy decoding equals the uncached forward token by token, and a left-padded row's sinks are its own
-    first tokens: it decodes as it does alone. The cache keeps every key (the sinks lie before the window)."""
+    """Cached greedy decoding (the cache evicting the keys between the sinks and the window as it goes) equals the
+    uncached forward token by token, and a left-padded row's sinks are its own first tokens: it decodes as it does
+    alone."""
     model = tiny_model("sliding_window", sliding_window=3, num_sink_tokens=2)
     input_ids, attention_mask, rows = left_padded_batch(lengths=(9, 6, 4))
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -121,7 +123,68 @@ def test_sink_tokens_decode_as_the_uncached_forward_with_left_padding():
                 sequence = torch.cat([sequence, model(sequence).logits[:, -1:].argmax(-1)], dim=1)
             assert torch.equal(alone, sequence), i
         out = model(input_ids, attention_mask=attention_mask, use_cache=True)
-    assert returned_cache(out).layers[0].keys.shape[2] == input_ids.shape[1]
+    # the longest padding (5) and 2 sinks, then the last w - 1 = 2 keys: positions 0-6 and 7-8, nothing evicted yet
+    assert returned_cache(out).layers[0].positions.tolist() == list(range(9))
+
+
+def test_the_cache_keeps_the_sinks_and_the_window_only():
+    """StreamingLLM's cache: after a prompt of 20 tokens a layer holds the 2 sinks and the last w - 1 = 3 keys, and
+    prefilling in chunks, then decoding, through it gives the uncached forward's logits at every position."""
+    model = tiny_model("sliding_window", sliding_window=4, num_sink_tokens=2)
+    input_ids = torch.randint(3, 90, (2, 26), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        cache = model.model.make_cache()
+        out = model(input_ids[:, :20], **{CACHE_KWARG: cache}, use_cache=True)
+        layer = returned_cache(out).layers[1]
+        assert layer.positions.tolist() == [0, 1, 17, 18, 19] and layer.keys.shape[2] == 5
+        assert returned_cache(out).get_seq_length() == 20  # the tokens seen, evicted ones included
+        torch.testing.assert_close(out.logits, reference[:, :20], atol=ATOL, rtol=0)
+        cache, logits = model.model.make_cache(), []
+        for start, end in ((0, 7), (7, 13), (13, 14), (14, 22), *((t, t + 1) for t in range(22, 26))):
+            logits.append(model(input_ids[:, start:end], **{CACHE_KWARG: cache}, use_cache=True).logits)
+            assert cache.layers[0].keys.shape[2] <= 2 + 3  # bounded, however long the text
+    torch.testing.assert_close(torch.cat(logits, dim=1), reference, atol=ATOL, rtol=0)
+
+
+def test_beam_search_through_the_evicting_cache_is_the_full_caches():
+    """Beam search reorders the evicting cache's rows as any cache's: the same beams as with a cache keeping every
+    key. Cropping it back (assisted decoding) is refused, since what it evicted is gone."""
+    from transformers import DynamicCache
+
+    model = tiny_model("sliding_window", sliding_window=3, num_sink_tokens=2)
+    input_ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=10, num_beams=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        evicting = model.generate(input_ids, **kwargs)
+        keeping = model.generate(input_ids, **{CACHE_KWARG: DynamicCache()}, **kwargs)
+    assert torch.equal(evicting, keeping)
+    cache = model.model.make_cache()
+    model(input_ids, **{CACHE_KWARG: cache}, use_cache=True)
+    with pytest.raises(ValueError, match="cannot be cropped back"):
+        cache.crop(4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "evicts"),
+    [({}, True), ({"position_embedding_type": "alibi"}, False), ({"attn_implementation": "flex_attention"}, False)],
+)
+def test_the_cache_evicts_where_the_mask_can_be_cut_to_the_kept_keys(fields, evicts):
+    """ALiBi's bias and flex attention's block mask cannot be cut to the kept keys' columns: there the model's cache
+    keeps every key (and decodes as the uncached forward); an evicting cache handed in is refused by name."""
+    from hf_attn_zoo.models.sliding_window import SinkWindowCache
+
+    model = tiny_model("sliding_window", sliding_window=3, num_sink_tokens=2, **fields)
+    cache = model.model.make_cache()
+    assert isinstance(cache, SinkWindowCache) == evicts
+    input_ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cached = model(input_ids[:, :9], **{CACHE_KWARG: cache}, use_cache=True).logits
+        step = model(input_ids[:, 9:], **{CACHE_KWARG: cache}, use_cache=True).logits
+        torch.testing.assert_close(torch.cat([cached, step], 1), model(input_ids).logits, atol=ATOL, rtol=0)
+        if not evicts:
+            with pytest.raises(ValueError, match="cannot be cut to the keys it kept"):
+                model(input_ids, **{CACHE_KWARG: SinkWindowCache(4, 3, 2)}, use_cache=True)
 
 
 @pytest.mark.parametrize(

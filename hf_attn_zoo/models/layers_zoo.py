@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GradientCheckpointingLayer,
@@ -208,6 +208,13 @@ class ZooAttention(ZooModule):
         """The config transformers' `DynamicCache` is built from: `config`, unless the layers must keep other keys
         than its fields say (a window with sink tokens keeps every key, so it is built from an unwindowed copy)."""
         return config
+
+    @classmethod
+    def key_value_cache(cls, config: ZooConfig) -> Cache:
+        """The cache of keys and values the model starts when none is given: transformers' `DynamicCache` built from
+        `cache_config(config)`, unless the variant keeps its keys otherwise (a window with sink tokens evicts those
+        between the sinks and the window)."""
+        return DynamicCache(config=cls.cache_config(config))
 
     @classmethod
     def mask_refusal(cls, config: ZooConfig) -> str | None:

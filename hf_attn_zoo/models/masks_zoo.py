@@ -158,6 +158,27 @@ def attention_mask_for(
     return TokenMask(padding=padding, documents=documents)
 
 
+def evicting_layers(cache: Cache | None) -> list:
+    """The layers of `cache` that evict keys from the middle of the sequence (a window with sink tokens:
+    `SinkWindowLayer`), which hold the positions of their keys (`key_positions`); empty for any other cache."""
+    layers = getattr(cache, "layers", None) or []
+    return [layer for layer in layers if hasattr(layer, "key_positions")]
+
+
+def kept_columns(mask: torch.Tensor | None, positions: torch.LongTensor, config: ZooConfig) -> torch.Tensor:
+    """The dense mask over every position `(B, 1, T, P)`, cut to the columns of the keys an evicting cache returns
+    `(B, 1, T, K)`, in the cache's order."""
+    if not isinstance(mask, torch.Tensor) or config.position_embedding_type == "alibi":
+        what = (
+            "ALiBi's bias" if isinstance(mask, torch.Tensor) else f"the {config._attn_implementation!r} backend's mask"
+        )
+        raise ValueError(
+            f"the cache evicts keys between the sinks and the window, and {what} cannot be cut to the keys it kept; "
+            f"pass cache=model.model.make_cache(), which keeps every key there (or use attn_implementation='sdpa')."
+        )
+    return mask.index_select(-1, positions.to(mask.device))
+
+
 def dense_mask(
     attention_class,
     config: ZooConfig,
@@ -175,6 +196,9 @@ def dense_mask(
             f"'eager', or use position_embedding_type='rope'."
         )
     padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
+    evicting = evicting_layers(cache)
+    for layer in evicting:
+        layer.start(padding)
     builder, extra = attention_class.dense_mask_builder(config, padding)
     mask = build_mask(  # transformers' builder, through the fallback for older releases (compat_zoo)
         builder,
@@ -183,9 +207,11 @@ def dense_mask(
         attention_mask=attention_mask,
         cache=cache,
         position_ids=position_ids,
-        allow_is_causal_skip=not alibi,  # ALiBi needs the mask materialised to carry its bias
+        allow_is_causal_skip=not alibi and not evicting,  # ALiBi's bias, or the kept keys' columns, need it formed
         **extra,
     )
+    if evicting:
+        mask = kept_columns(mask, evicting[0].key_positions(inputs_embeds.shape[1]), config)
     if not alibi:
         return mask
     batch_size, key_length = mask.shape[0], mask.shape[-1]

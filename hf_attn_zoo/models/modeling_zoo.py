@@ -248,11 +248,11 @@ class ZooModel(ZooPreTrainedModel):
         if self.attention_class.decodes_from_state():
             cache = ZooStateCache(num_layers, self.attention_class.cache_layer)
         else:
-            config = self.attention_class.cache_config(self.config)
+            config = self.config
             if num_layers != config.num_hidden_layers:  # a decoder of `decoder_layers`: transformers sizes by this
                 config = copy.copy(config)
                 config.num_hidden_layers = num_layers
-            cache = DynamicCache(config=config)
+            cache = self.attention_class.key_value_cache(config)
         return cache if self.cross_attention_class is None else EncoderDecoderCache(cache, DynamicCache())
 
     @classmethod

@@ -5,7 +5,8 @@ window with a rolling cache), which this follows. What differs from MHA: the cau
 and the cache keeps only the last w - 1 keys and values (transformers' `DynamicSlidingWindowLayer`), so decoding
 memory stops growing after w tokens. Query heads share `num_key_value_heads` key/value heads as in GQA.
 
-Cache per token: 2·L·G·d_h until w tokens, then flat: 2·L·G·d_h·(w - 1) in all, whatever the length.
+Cache per token: 2·L·G·d_h until w tokens, then flat: 2·L·G·d_h·(w - 1) in all, whatever the length (with s sink
+tokens, 2·L·G·d_h·(s + p + w - 1), p the longest left padding).
 
 Two kernels. Short inputs go through the backend with transformers' sliding-window mask (eager, sdpa, flash
 attention 2 with its native window, flex). Long inputs (more than 2w new tokens, on eager or sdpa) take a banded
@@ -17,9 +18,12 @@ Sinks"): every query also sees the first s tokens of its row (after any left pad
 trained with full attention puts much of its attention on the first token whatever it says; a window that cuts it
 off changes every later layer's input (SmolLM2-135M converted, held-out perplexity 20.8: a window of 256 keys 29.3,
 with four sinks 20.9). With sinks the dense path runs (transformers' causal mask and-ed with window-or-sink; eager,
-sdpa or flex) and the cache keeps every key, so its memory grows with the length as full attention's does: evicting
-the keys between the sinks and the window is not done here, and clients that build the window mask themselves
-(Mistral's export, llama.cpp, vLLM, continuous batching) are refused.
+sdpa or flex), and the model's cache (`SinkWindowCache`, StreamingLLM's) keeps the sinks and the last w - 1 keys and
+evicts those between, which no later query sees: 2·L·G·d_h·(s + p + w - 1) at most, p the batch's longest left
+padding. Keys keep the positions they were computed at, so decoding from it computes the scores the uncached forward
+does. Under flex attention, or with ALiBi, the cache keeps every key instead (a block mask, or a bias by distance,
+cannot be cut to the kept keys' columns). Clients that build the window mask themselves (Mistral's export,
+llama.cpp, vLLM, continuous batching) are refused.
 """
 
 import copy
@@ -27,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .configuration_zoo import HEADS, ZooConfig, sized
@@ -72,6 +77,76 @@ class ZooSlidingWindowConfig(ZooConfig):
                 f"sliding_window={self.sliding_window!r} must be a positive integer: the number of keys each token "
                 f"attends to, itself included (use a value >= max_position_embeddings for full causal attention)."
             )
+
+
+class SinkWindowLayer(DynamicLayer):
+    """One layer's keys and values for a window of `window` keys with `sinks` sink tokens (StreamingLLM's cache, Xiao
+    et al. 2023): the first positions up to the last sink, and the last `window - 1`; those between, which no later
+    query sees, are evicted after each update. Keys keep the positions (RoPE) they were computed at, so the scores are
+    the uncached forward's; `key_positions` tells the mask which positions the next update returns (the dense mask
+    over every position, cut to those columns), and `start` sets how far the sinks reach (a left-padded batch's
+    longest padding plus the sinks) from the first forward's padding mask."""
+
+    is_croppable = False  # the evicted keys cannot come back
+
+    def __init__(self, window: int, sinks: int) -> None:
+        super().__init__()
+        self.window, self.sinks = window, sinks
+        self.sink_span = sinks  # positions below it are kept as sinks
+        self.cumulative_length = 0  # every token seen, evicted ones included
+        self.positions = torch.empty(0, dtype=torch.long)  # (K,): the position of each cached key
+
+    def start(self, attention_mask: torch.Tensor | None) -> None:
+        """Before the first update: the sinks reach past the longest left padding of the batch's rows."""
+        if self.cumulative_length == 0 and attention_mask is not None and attention_mask.ndim == 2:
+            padding = int(attention_mask.long().argmax(-1).max())  # each row's first real token
+            self.sink_span = padding + self.sinks
+
+    def key_positions(self, query_length: int) -> torch.LongTensor:
+        """The positions of the keys the next `update` of `query_length` new tokens returns `(K + query_length,)`."""
+        new = torch.arange(self.cumulative_length, self.cumulative_length + query_length)
+        return torch.cat([self.positions, new])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        positions = self.key_positions(key_states.shape[-2])
+        keys = torch.cat([self.keys, key_states], dim=-2)  # (B, G, K + T, d)
+        values = torch.cat([self.values, value_states], dim=-2)
+        self.cumulative_length += key_states.shape[-2]
+        # the next query (position cumulative_length) sees the sinks and the keys less than a window behind it
+        kept = (positions < self.sink_span) | (positions > self.cumulative_length - self.window)
+        index = kept.nonzero().squeeze(-1).to(keys.device)
+        self.keys, self.values = keys.index_select(-2, index), values.index_select(-2, index)
+        self.positions = positions[kept]
+        return keys, values
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """Every position so far: the mask is built over them and then cut to `key_positions`' columns. (Before
+        transformers 5.3 the new tokens' `cache_position` comes instead of their count.)"""
+        length = query_length if isinstance(query_length, int) else len(query_length)
+        return self.cumulative_length + length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def reset(self) -> None:
+        super().reset()
+        self.sink_span, self.cumulative_length = self.sinks, 0
+        self.positions = torch.empty(0, dtype=torch.long)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "a window with sink tokens evicts the keys between the sinks and the window, so its cache cannot be "
+            "cropped back (assisted or prompt-lookup decoding); generate without an assistant."
+        )
+
+
+class SinkWindowCache(Cache):
+    """The cache of a model whose window has sink tokens: a `SinkWindowLayer` per decoder layer."""
+
+    def __init__(self, num_layers: int, window: int, sinks: int) -> None:
+        super().__init__(layers=[SinkWindowLayer(window, sinks) for _ in range(num_layers)])
 
 
 class ZooSlidingWindowAttention(ZooMultiHeadAttention):
@@ -136,6 +211,15 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
         unwindowed = copy.copy(config)  # transformers' cache would drop the sinks with the keys past the window
         unwindowed.sliding_window = None
         return unwindowed
+
+    @classmethod
+    def key_value_cache(cls, config: ZooSlidingWindowConfig) -> Cache:
+        """With sink tokens StreamingLLM's cache (sinks and window kept, the keys between evicted), except under flex
+        attention or ALiBi, whose masks cannot be cut to the kept keys: there every key is kept."""
+        evicts = config._attn_implementation != "flex_attention" and config.position_embedding_type != "alibi"
+        if config.num_sink_tokens and evicts:
+            return SinkWindowCache(config.num_hidden_layers, config.sliding_window, config.num_sink_tokens)
+        return DynamicCache(config=cls.cache_config(config))
 
     @classmethod
     def mask_refusal(cls, config: ZooSlidingWindowConfig) -> str | None:
