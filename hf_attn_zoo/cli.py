@@ -245,13 +245,14 @@ def attention_command(options: AttentionOptions) -> None:
 def convert_command(options: ConvertOptions) -> Path:
     """Convert SRC to `--to` (pooled heads, a latent, or any variant from the parent's projections), optionally with
     attention transfer on `--data`; with `--eval_data`, a summary of held-out perplexity: the parent, the converted
-    model before transfer and after. Every refusal comes before anything is written."""
+    model before transfer and after. Every refusal comes before anything is written. With `--distill`, the model
+    entering distillation and the Trainer's checkpoints are kept in `OUT.stages` until OUT is written: the same
+    command run again after a stop resumes from them (`ConvertStages`)."""
     from .checkpoints import save_checkpoint
     from .convert import METHODS
     from .convert.calibrated import CALIBRATION_METHODS
     from .convert.latent import MLA_METHODS
     from .data import expand_files
-    from .loading import check_model_folder, load_model_and_tokenizer
 
     latent, pooled = options.to == "mla", options.to in ("mha", "gqa", "mqa")
     if options.method is not None and not (latent or pooled):
@@ -285,6 +286,42 @@ def convert_command(options: ConvertOptions) -> Path:
     held_out = []
     if options.eval_data:
         held_out = read_texts(expand_files(options.eval_data, "--eval_data"), options.eval_max_chars, "--eval_data")
+    stages = ConvertStages(options)
+    if (resumed := stages.resume()) is not None:  # an earlier run of this command got as far as distillation
+        converted, tokenizer, state = resumed
+        summary, details, scores = state["summary"], state["details"], state["scores"]
+        how, seconds = state["how"], state["seconds"]
+    else:
+        converted, tokenizer, summary, details, scores, how, seconds = convert_and_transfer(
+            options, method, calibration, files, fields, transfer_texts, held_out
+        )
+        if options.distill:  # the long stage: what came before is kept, so a stopped run resumes from here
+            state = {"summary": summary, "details": details, "scores": scores, "how": how, "seconds": seconds}
+            stages.keep(converted, tokenizer, state)
+    if options.distill:
+        converted, summary["distillation"] = run_distillation(options, converted, tokenizer, stages.folder)
+        distillation = summary["distillation"]
+        details["distillation"] = (
+            f"{distillation['train_tokens']:,} tokens at T={options.temperature}, alpha={options.alpha} from "
+            f"{options.src} ({'top-' + str(options.topk) if options.topk else 'run alongside'})"
+            + (f", the MLPs through LoRA of rank {options.lora_rank}" if options.lora_rank is not None else "")
+        )
+        if held_out:
+            scores["distilled"] = held_out_perplexity(converted, tokenizer, held_out, options)
+    if scores:
+        summary["held_out_perplexity"] = scores
+    out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details, summary=summary)
+    stages.drop()
+    print_convert_summary(options, converted, how, seconds, summary, out)
+    return out
+
+
+def convert_and_transfer(options: ConvertOptions, method: str, calibration, files, fields, transfer_texts, held_out):
+    """The parent loaded and converted, scored, and its attention transferred when asked: (converted model,
+    tokenizer, summary, model-card details, held-out scores, how the attention was initialised, seconds)."""
+    from .loading import check_model_folder, load_model_and_tokenizer
+
+    latent, pooled = options.to == "mla", options.to in ("mha", "gqa", "mqa")
     if options.gguf_file:  # a plain checkpoint of the GGUF file, which the Trainer and save_pretrained can use
         check_model_folder(options.src, gguf_file=options.gguf_file)
         model, tokenizer = load_model_and_tokenizer(str(Path(options.src).expanduser() / options.gguf_file))
@@ -326,21 +363,7 @@ def convert_command(options: ConvertOptions) -> Path:
         )
         if held_out:
             scores["transferred"] = held_out_perplexity(converted, tokenizer, held_out, options)
-    if options.distill:
-        converted, summary["distillation"] = run_distillation(options, converted, tokenizer)
-        distillation = summary["distillation"]
-        details["distillation"] = (
-            f"{distillation['train_tokens']:,} tokens at T={options.temperature}, alpha={options.alpha} from "
-            f"{options.src} ({'top-' + str(options.topk) if options.topk else 'run alongside'})"
-            + (f", the MLPs through LoRA of rank {options.lora_rank}" if options.lora_rank is not None else "")
-        )
-        if held_out:
-            scores["distilled"] = held_out_perplexity(converted, tokenizer, held_out, options)
-    if scores:
-        summary["held_out_perplexity"] = scores
-    out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details, summary=summary)
-    print_convert_summary(options, converted, conversion, seconds, summary, out)
-    return out
+    return converted, tokenizer, summary, details, scores, conversion.how, seconds
 
 
 def target_config(options: ConvertOptions) -> dict:
@@ -463,12 +486,59 @@ def run_transfer(options: ConvertOptions, parent, converted, tokenizer, texts: l
     }
 
 
-def run_distillation(options: ConvertOptions, converted, tokenizer) -> tuple:
+class ConvertStages:
+    """`OUT.stages`, beside OUT while a `convert --distill` runs: the model entering distillation (`start/`, with
+    what the stages before it measured) and the distillation's Trainer checkpoints (`distillation/`), so that the
+    same command run again after a stop resumes there instead of converting and transferring again. Kept for this
+    command's options only (`options.json`): another command's stages are set aside, never trained on. Dropped
+    once OUT is written."""
+
+    def __init__(self, options: ConvertOptions) -> None:
+        self.folder = Path(options.out).with_name(Path(options.out).name + ".stages")
+        self.options = json.loads(json.dumps(dataclasses.asdict(options), default=str))
+
+    def resume(self):
+        """(model, tokenizer, state) of a kept start of distillation for these options, or None."""
+        from .loading import load_model_and_tokenizer
+
+        stamp, start = self.folder / "options.json", self.folder / "start"
+        if not (start / "stage.json").is_file():
+            return None
+        if not stamp.is_file() or json.loads(stamp.read_text()) != self.options:
+            aside = self.folder.with_name(f"{self.folder.name}.other-{int(time.time())}")
+            self.folder.rename(aside)
+            print(f"{self.folder} was left by a convert with other options: moved to {aside}; starting over")
+            return None
+        model, tokenizer = load_model_and_tokenizer(str(start))
+        print(f"resuming from {start}: converted and transferred by an earlier run of this command")
+        return model, tokenizer, json.loads((start / "stage.json").read_text())
+
+    def keep(self, model, tokenizer, state: dict) -> None:
+        from .checkpoints import publish_folder, save_checkpoint
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "options.json").write_text(json.dumps(self.options, indent=2))
+
+        def write(staging: Path) -> None:
+            save_checkpoint(staging, model, tokenizer=tokenizer)
+            (staging / "stage.json").write_text(json.dumps(state, indent=2))  # last: the stage is complete
+
+        publish_folder(self.folder / "start", write)
+
+    def drop(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def run_distillation(options: ConvertOptions, converted, tokenizer, stages: Path) -> tuple:
     """Train `converted` on the parent's next-token distribution over `--data` (`--tokens` of it, rows of
     `--block_size`) through the one training path (`convert.distill`, `hf_attn_zoo.train.tasks.DistillationTask`),
-    the Trainer's progress bar showing; returns the distilled model and the run's summary."""
+    the Trainer's progress bar showing; returns the distilled model and the run's summary. The run starts from
+    `stages/start` (saved there unless an earlier run did) and checkpoints into `stages/distillation` ten times,
+    resuming from the newest checkpoint there."""
     import math
-    import tempfile
+    import shutil
 
     from transformers import AutoModelForCausalLM
 
@@ -476,50 +546,57 @@ def run_distillation(options: ConvertOptions, converted, tokenizer) -> tuple:
     from .data import DataArguments
     from .train import ModelArguments, ZooTrainingArguments, run_training
     from .train.recipe import ConversionArguments
+    from .train.trainer import complete_checkpoints
 
     teacher = str(Path(options.src).expanduser() / options.gguf_file) if options.gguf_file else options.src
     block = min(options.block_size, converted.config.max_position_embeddings)
     steps = max(1, math.ceil(options.tokens / (options.batch_size * block)))
-    with tempfile.TemporaryDirectory(prefix="hf-attn-zoo-distill-") as staging:
-        start_from = save_checkpoint(Path(staging) / "converted", converted, tokenizer=tokenizer)
-        model_args = ModelArguments(init_from=str(start_from), size=None)
-        model_args.conversion = ConversionArguments(
-            distill=True,
-            teacher=teacher,
-            temperature=options.temperature,
-            alpha=options.alpha,
-            teacher_topk=options.topk,
-            lora_rank=options.lora_rank,
-        )
-        data_args = DataArguments(
-            train_files=list(options.data),
-            validation_files=list(options.eval_data or []),  # else a share of --data's files
-            block_size=block,
-            tokenizer=str(start_from),
-        )
-        training_args = ZooTrainingArguments(
-            output_dir=str(Path(staging) / "run"),
-            max_steps=steps,
-            per_device_train_batch_size=options.batch_size,
-            per_device_eval_batch_size=options.batch_size,
-            learning_rate=options.learning_rate,
-            lr_scheduler_type="cosine",
-            warmup_steps=max(1, steps // 20),
-            weight_decay=0.0,
-            logging_steps=max(1, steps // 10),
-            save_strategy="no",
-            eval_strategy="no",
-            report_to=[],
-        )
-        summary = run_training(model_args, data_args, training_args)
-        distilled = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
+    start_from, run = stages / "start", stages / "distillation"
+    if not (start_from / "config.json").is_file():
+        save_checkpoint(start_from, converted, tokenizer=tokenizer)
+    if not complete_checkpoints(run):  # a stop before the first complete checkpoint left nothing to resume from
+        shutil.rmtree(run, ignore_errors=True)
+    model_args = ModelArguments(init_from=str(start_from), size=None)
+    model_args.conversion = ConversionArguments(
+        distill=True,
+        teacher=teacher,
+        temperature=options.temperature,
+        alpha=options.alpha,
+        teacher_topk=options.topk,
+        lora_rank=options.lora_rank,
+    )
+    data_args = DataArguments(
+        train_files=list(options.data),
+        validation_files=list(options.eval_data or []),  # else a share of --data's files
+        block_size=block,
+        tokenizer=str(start_from),
+    )
+    training_args = ZooTrainingArguments(
+        output_dir=str(run),
+        resume_from_checkpoint="latest" if complete_checkpoints(run) else None,
+        max_steps=steps,
+        per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 20),
+        weight_decay=0.0,
+        logging_steps=max(1, steps // 10),
+        save_strategy="steps",
+        save_steps=max(1, steps // 10),
+        save_total_limit=1,
+        eval_strategy="no",
+        report_to=[],
+    )
+    summary = run_training(model_args, data_args, training_args)
+    distilled = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
     keep = ("steps", "train_tokens", "seconds", "tokens_per_second", "losses", "validation_perplexity")
     keep += ("lora_rank", "trainable_parameters") if options.lora_rank is not None else ()
     return distilled, {key: summary[key] for key in keep}
 
 
-def print_convert_summary(options: ConvertOptions, converted, conversion, seconds: float, summary: dict, out) -> None:
-    print(f"{converted.config.model_type} ({conversion.how}; {seconds:.1f} s) written to {out}")
+def print_convert_summary(options: ConvertOptions, converted, how: str, seconds: float, summary: dict, out) -> None:
+    print(f"{converted.config.model_type} ({how}; {seconds:.1f} s) written to {out}")
     if "distillation" in summary:
         distillation = summary["distillation"]
         print(

@@ -227,6 +227,78 @@ def test_convert_transfer_and_distill_in_one_command(tmp_path, texts, capsys):
     assert model.config.model_type == "zoo_mqa" and "distillation" in (out / "README.md").read_text()
 
 
+def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, monkeypatch, capsys):
+    """`convert --transfer --distill` stopped during distillation keeps OUT.stages (the transferred model, the
+    Trainer's checkpoints) and writes no OUT; the same command again converts and transfers nothing, resumes the
+    Trainer from its newest checkpoint, and gives what one uninterrupted run gives. Stages a command with other
+    options left are set aside, never trained on."""
+    import hf_attn_zoo.cli as cli
+    import hf_attn_zoo.train as train
+
+    parent = saved_model(tmp_path / "parent")
+
+    def argv(out, *extra):
+        words = ["convert", str(parent), str(out), "--to", "mqa", "--transfer", "--distill", "--data", str(texts[0])]
+        return [
+            *words,
+            "--tokens",
+            "640",
+            "--block_size",
+            "32",
+            "--batch_size",
+            "2",
+            "--eval_data",
+            str(texts[1]),
+            *extra,
+        ]
+
+    assert main(argv(tmp_path / "whole")) == 0
+    whole = json.loads((tmp_path / "whole" / "training_summary.json").read_text())
+    assert not (tmp_path / "whole.stages").exists()  # dropped once OUT is written
+
+    real, resumed = train.run_training, []
+
+    def stopped(model_args, data_args, training_args):
+        real(model_args, data_args, training_args)  # its checkpoints are written; the stop comes before OUT
+        raise RuntimeError("stopped")
+
+    def watched(model_args, data_args, training_args):
+        resumed.append(training_args.resume_from_checkpoint)
+        return real(model_args, data_args, training_args)
+
+    out, stages = tmp_path / "mqa", tmp_path / "mqa.stages"
+    monkeypatch.setattr(train, "run_training", stopped)
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(argv(out, "--temperature", "3"))
+    assert not out.exists() and (stages / "start" / "stage.json").is_file()
+    # another command on the same OUT: the stages are set aside, and it converts afresh
+    monkeypatch.setattr(train, "run_training", watched)
+    assert main(argv(out)) == 0 and resumed == [None]
+    assert "left by a convert with other options" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("mqa.stages.other-*"))) == 1 and not stages.exists()
+
+    out = tmp_path / "again"
+    monkeypatch.setattr(train, "run_training", stopped)
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(argv(out))
+
+    def converted_again(*args, **kwargs):
+        raise AssertionError("an earlier run's stages were not used")
+
+    monkeypatch.setattr(cli, "convert_and_transfer", converted_again)
+    monkeypatch.setattr(train, "run_training", watched)
+    assert main(argv(out)) == 0 and resumed == [None, "latest"]
+    again = json.loads((out / "training_summary.json").read_text())
+    for stage, value in whole["held_out_perplexity"].items():
+        assert again["held_out_perplexity"][stage] == pytest.approx(value, rel=1e-5), stage
+    losses = [
+        [layer[k] for layer in run["transfer"]["layers"] for k in ("loss_before", "loss_after")]
+        for run in (again, whole)
+    ]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the first run's transfer, read back
+    assert not (tmp_path / "again.stages").exists()
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
