@@ -507,10 +507,13 @@ class ConvertStages:
         if not stamp.is_file() or json.loads(stamp.read_text()) != self.options:
             aside = self.folder.with_name(f"{self.folder.name}.other-{int(time.time())}")
             self.folder.rename(aside)
-            print(f"{self.folder} was left by a convert with other options: moved to {aside}; starting over")
+            print(
+                f"{self.folder} was not left by this command (other or unknown options): moved to {aside}; "
+                "starting over"
+            )
             return None
         model, tokenizer = load_model_and_tokenizer(str(start))
-        print(f"resuming from {start}: converted and transferred by an earlier run of this command")
+        print(f"resuming from {start}: the stages before distillation, done by an earlier run of this command")
         return model, tokenizer, json.loads((start / "stage.json").read_text())
 
     def keep(self, model, tokenizer, state: dict) -> None:

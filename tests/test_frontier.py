@@ -82,6 +82,9 @@ def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path,
         raise AssertionError(f"a finished cell ran again: {argv}")
 
     monkeypatch.setattr(frontier, "command_line", no_command)
+    # a cell stopped while its references were scored: scored again, its model not converted again
+    scored = Path(options.output_dir) / "cells" / "mqa-ce-256" / "frontier.json"
+    scored.write_text(json.dumps({"seconds": rows["mqa-ce-256"]["seconds"]}))
     again = frontier.run_frontier(options, log=lambda _: None)
     assert [row["held_out_perplexity"] for row in again["rows"]] == [
         row["held_out_perplexity"] for row in rows.values()
@@ -182,7 +185,9 @@ def test_the_docs_table_is_the_committed_frontiers_own(study):
         pytest.skip(f"no committed results in {study}/")
     table = frontier.frontier_table(json.loads(path.read_text()))
     begin, end = frontier.docs_markers(path.parent)
-    assert frontier.DOCS.read_text().split(begin, 1)[1].split(end, 1)[0].strip() == table
+    page = frontier.DOCS.read_text()
+    assert begin in page and end in page, f"{frontier.DOCS} has no markers for {study}/: add {begin} ... {end}"
+    assert page.split(begin, 1)[1].split(end, 1)[0].strip() == table
     assert table in (path.parent / "results.md").read_text()
     for row in json.loads(path.read_text())["rows"]:  # every row's command runs in any clone
         assert str(frontier.REPOSITORY) not in row["command"], row["cell"]

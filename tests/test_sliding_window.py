@@ -124,7 +124,33 @@ def test_sink_tokens_decode_as_the_uncached_forward_with_left_padding():
             assert torch.equal(alone, sequence), i
         out = model(input_ids, attention_mask=attention_mask, use_cache=True)
     # the longest padding (5) and 2 sinks, then the last w - 1 = 2 keys: positions 0-6 and 7-8, nothing evicted yet
-    assert returned_cache(out).layers[0].positions.tolist() == list(range(9))
+    layer = returned_cache(out).layers[0]
+    assert (layer.head, layer.tail) == (7, 7) and layer.keys.shape[2] == 9
+
+
+def test_a_chunked_prefill_of_a_padded_batch_keeps_every_rows_sinks():
+    """Prefilled 4 tokens at a time, a row that is all padding in the first chunks has not shown where its sinks lie:
+    nothing is evicted until it has, and the batch decodes as it does prefilled at once."""
+    model = tiny_model("sliding_window", sliding_window=3, num_sink_tokens=2)
+    input_ids, attention_mask, _ = left_padded_batch(lengths=(16, 5))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        at_once = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+        chunked = model.generate(input_ids, attention_mask=attention_mask, prefill_chunk_size=4, **kwargs)
+        assert torch.equal(chunked, at_once)
+        cache = model.model.make_cache()
+        for end in (4, 8, 12, 16):  # the second row's first real token is at 11
+            window = attention_mask[:, :end]
+            model(
+                input_ids[:, end - 4 : end],
+                attention_mask=window,
+                position_ids=positions_from_mask(window)[:, -4:],
+                **{CACHE_KWARG: cache},
+                use_cache=True,
+            )
+            layer = cache.layers[0]
+            assert layer.sink_span == (None if end < 12 else 11 + 2), end
+        assert (layer.head, layer.tail) == (13, 14) and layer.keys.shape[2] == 13 + 2
 
 
 def test_the_cache_keeps_the_sinks_and_the_window_only():
@@ -137,7 +163,7 @@ def test_the_cache_keeps_the_sinks_and_the_window_only():
         cache = model.model.make_cache()
         out = model(input_ids[:, :20], **{CACHE_KWARG: cache}, use_cache=True)
         layer = returned_cache(out).layers[1]
-        assert layer.positions.tolist() == [0, 1, 17, 18, 19] and layer.keys.shape[2] == 5
+        assert (layer.head, layer.tail) == (2, 17) and layer.keys.shape[2] == 5  # positions 0-1 and 17-19
         assert returned_cache(out).get_seq_length() == 20  # the tokens seen, evicted ones included
         torch.testing.assert_close(out.logits, reference[:, :20], atol=ATOL, rtol=0)
         cache, logits = model.model.make_cache(), []

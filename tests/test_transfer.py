@@ -274,7 +274,7 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
     # another command on the same OUT: the stages are set aside, and it converts afresh
     monkeypatch.setattr(train, "run_training", watched)
     assert main(argv(out)) == 0 and resumed == [None]
-    assert "left by a convert with other options" in capsys.readouterr().out
+    assert "was not left by this command (other or unknown options)" in capsys.readouterr().out
     assert len(list(tmp_path.glob("mqa.stages.other-*"))) == 1 and not stages.exists()
 
     out = tmp_path / "again"

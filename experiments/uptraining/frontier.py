@@ -218,15 +218,17 @@ def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files:
     out = Path(setup.output_dir) / "cells" / cell_name(target, method, budget, epochs)
     argv = command(setup, target, method, budget, files, out)
     summary_file, scored_file = out / "training_summary.json", out / "frontier.json"
-    if not scored_file.is_file():  # written last: a cell stopped before it runs again (convert keeps what it finds)
+    scored = json.loads(scored_file.read_text()) if scored_file.is_file() else {}
+    if not (summary_file.is_file() and "seconds" in scored):  # a stop before: convert again (it resumes its stages)
         start = time.perf_counter()
         if command_line(argv) != 0:
             raise SystemExit(f"{out.name}: hf-attn-zoo {' '.join(argv)} failed")
-        seconds = time.perf_counter() - start
-        scored = {"seconds": round(seconds, 1), "reference_perplexity": references(setup, str(out))}
+        scored = {"seconds": round(time.perf_counter() - start, 1)}
+        write_atomically(scored_file, json.dumps(scored, indent=2))
+    if "reference_perplexity" not in scored:  # a stop while scoring: the cell's model is there, score it again
+        scored["reference_perplexity"] = references(setup, str(out))
         write_atomically(scored_file, json.dumps(scored, indent=2))
     summary = json.loads(summary_file.read_text())
-    scored = json.loads(scored_file.read_text())
     held_out = summary["held_out_perplexity"]
     final = next(held_out[k] for k in ("distilled", "transferred", "converted") if k in held_out)
     return {
@@ -254,8 +256,10 @@ def run_frontier(setup: FrontierSetup, log=print) -> dict:
     out = Path(setup.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     splits = split_by_year(setup.data_dir)
-    held_out = out / "held_out.txt"
-    held_out.write_text("\n\n".join(Path(f).read_text() for f in splits["test"])[: setup.held_out_chars])
+    held_out, text = out / "held_out.txt", "\n\n".join(Path(f).read_text() for f in splits["test"])
+    text = text[: setup.held_out_chars]
+    if not held_out.is_file() or held_out.read_text() != text:  # another process of the frontier may be reading it
+        write_atomically(held_out, text)
     files = {
         "train": splits["train"][::-1],  # newest first: transfer reads the first --tokens, distillation samples all
         "calibration": splits["train"][-setup.calibration_addresses :],

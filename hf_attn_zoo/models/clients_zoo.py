@@ -234,7 +234,7 @@ def cache_refusal(attention: type, config, cache) -> str | None:
         return (
             f"{model_type} cannot use the cache handed in: its {cache_name} drops keys past the window, and "
             f"{attention.mask_refusal(config)}, which it would drop with them. Pass cache=model.model.make_cache() "
-            f"(it keeps every key), let generate() create it, or export the forward without a cache (use_cache=False)."
+            f"(it keeps the sinks), let generate() create it, or export the forward without a cache (use_cache=False)."
         )
     keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
     if not getattr(layer, "is_initialized", False) or keys is None or values is None or keys.dim() != 4:

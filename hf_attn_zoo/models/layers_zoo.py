@@ -206,7 +206,8 @@ class ZooAttention(ZooModule):
     @classmethod
     def cache_config(cls, config: ZooConfig) -> ZooConfig:
         """The config transformers' `DynamicCache` is built from: `config`, unless the layers must keep other keys
-        than its fields say (a window with sink tokens keeps every key, so it is built from an unwindowed copy)."""
+        than its fields say (a window with sink tokens keeps its sinks: an unwindowed copy, which clients read as
+        "keeps other keys"; the variant's own cache is `key_value_cache`'s)."""
         return config
 
     @classmethod

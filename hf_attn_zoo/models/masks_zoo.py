@@ -160,14 +160,14 @@ def attention_mask_for(
 
 def evicting_layers(cache: Cache | None) -> list:
     """The layers of `cache` that evict keys from the middle of the sequence (a window with sink tokens:
-    `SinkWindowLayer`), which hold the positions of their keys (`key_positions`); empty for any other cache."""
+    `SinkWindowLayer`), which say what they hold (`kept_blocks`); empty for any other cache."""
     layers = getattr(cache, "layers", None) or []
-    return [layer for layer in layers if hasattr(layer, "key_positions")]
+    return [layer for layer in layers if hasattr(layer, "kept_blocks")]
 
 
-def kept_columns(mask: torch.Tensor | None, positions: torch.LongTensor, config: ZooConfig) -> torch.Tensor:
-    """The dense mask over every position `(B, 1, T, P)`, cut to the columns of the keys an evicting cache returns
-    `(B, 1, T, K)`, in the cache's order."""
+def kept_columns(mask: torch.Tensor | None, blocks: tuple[int, int], config: ZooConfig) -> torch.Tensor:
+    """The dense mask over every position `(B, 1, T, P)`, cut to the columns of the keys an evicting cache returns:
+    positions [0, head) and [tail, P), `(B, 1, T, K)`."""
     if not isinstance(mask, torch.Tensor) or config.position_embedding_type == "alibi":
         what = (
             "ALiBi's bias" if isinstance(mask, torch.Tensor) else f"the {config._attn_implementation!r} backend's mask"
@@ -176,7 +176,8 @@ def kept_columns(mask: torch.Tensor | None, positions: torch.LongTensor, config:
             f"the cache evicts keys between the sinks and the window, and {what} cannot be cut to the keys it kept; "
             f"pass cache=model.model.make_cache(), which keeps every key there (or use attn_implementation='sdpa')."
         )
-    return mask.index_select(-1, positions.to(mask.device))
+    head, tail = blocks
+    return torch.cat([mask[..., :head], mask[..., tail:]], dim=-1)
 
 
 def dense_mask(
@@ -211,7 +212,7 @@ def dense_mask(
         **extra,
     )
     if evicting:
-        mask = kept_columns(mask, evicting[0].key_positions(inputs_embeds.shape[1]), config)
+        mask = kept_columns(mask, evicting[0].kept_blocks(inputs_embeds.shape[1]), config)
     if not alibi:
         return mask
     batch_size, key_length = mask.shape[0], mask.shape[-1]

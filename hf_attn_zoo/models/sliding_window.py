@@ -81,48 +81,63 @@ class ZooSlidingWindowConfig(ZooConfig):
 
 class SinkWindowLayer(DynamicLayer):
     """One layer's keys and values for a window of `window` keys with `sinks` sink tokens (StreamingLLM's cache, Xiao
-    et al. 2023): the first positions up to the last sink, and the last `window - 1`; those between, which no later
-    query sees, are evicted after each update. Keys keep the positions (RoPE) they were computed at, so the scores are
-    the uncached forward's; `key_positions` tells the mask which positions the next update returns (the dense mask
-    over every position, cut to those columns), and `start` sets how far the sinks reach (a left-padded batch's
-    longest padding plus the sinks) from the first forward's padding mask."""
+    et al. 2023): the positions up to the last sink of every row, and the last `window - 1`; those between, which no
+    later query sees, are evicted after each update. Keys keep the positions (RoPE) they were computed at, so the
+    scores are the uncached forward's.
+
+    What it holds is always two runs of positions, [0, head) and [tail, seen): `kept_blocks` tells the mask which
+    positions the next update returns (the dense mask over every position, cut to those columns, by slicing), and
+    `start` sets how far the sinks reach from the padding mask: past the longest left padding of the batch's rows.
+    Until every row has a real token (a chunked prefill of a padded batch), nothing is evicted."""
 
     is_croppable = False  # the evicted keys cannot come back
 
     def __init__(self, window: int, sinks: int) -> None:
         super().__init__()
         self.window, self.sinks = window, sinks
-        self.sink_span = sinks  # positions below it are kept as sinks
+        self.clear()
+
+    def clear(self) -> None:
+        self.sink_span: int | None = None  # positions below it are sinks; None until every row has a real token
         self.cumulative_length = 0  # every token seen, evicted ones included
-        self.positions = torch.empty(0, dtype=torch.long)  # (K,): the position of each cached key
+        self.head = self.tail = 0  # held: positions [0, head) and [tail, cumulative_length)
 
     def start(self, attention_mask: torch.Tensor | None) -> None:
-        """Before the first update: the sinks reach past the longest left padding of the batch's rows."""
-        if self.cumulative_length == 0 and attention_mask is not None and attention_mask.ndim == 2:
-            padding = int(attention_mask.long().argmax(-1).max())  # each row's first real token
-            self.sink_span = padding + self.sinks
+        """Fix how far the sinks reach, once the 2D padding mask (of every token so far and the new ones) shows each
+        row's first real token; without a padding mask every row starts at 0."""
+        if self.sink_span is not None:
+            return
+        if attention_mask is None or attention_mask.ndim != 2:
+            self.sink_span = self.sinks
+        elif bool(attention_mask.bool().any(-1).all()):
+            self.sink_span = int(attention_mask.long().argmax(-1).max()) + self.sinks  # the latest first real token
 
-    def key_positions(self, query_length: int) -> torch.LongTensor:
-        """The positions of the keys the next `update` of `query_length` new tokens returns `(K + query_length,)`."""
-        new = torch.arange(self.cumulative_length, self.cumulative_length + query_length)
-        return torch.cat([self.positions, new])
+    def kept_blocks(self, query_length: int) -> tuple[int, int]:
+        """(head, tail): the next `update` of `query_length` new tokens returns the keys of positions [0, head) and
+        [tail, seen + query_length), in that order."""
+        return self.head, self.tail
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        positions = self.key_positions(key_states.shape[-2])
-        keys = torch.cat([self.keys, key_states], dim=-2)  # (B, G, K + T, d)
+        keys = torch.cat([self.keys, key_states], dim=-2)  # (B, G, K + T, d): [0, head), then [tail, seen)
         values = torch.cat([self.values, value_states], dim=-2)
         self.cumulative_length += key_states.shape[-2]
-        # the next query (position cumulative_length) sees the sinks and the keys less than a window behind it
-        kept = (positions < self.sink_span) | (positions > self.cumulative_length - self.window)
-        index = kept.nonzero().squeeze(-1).to(keys.device)
-        self.keys, self.values = keys.index_select(-2, index), values.index_select(-2, index)
-        self.positions = positions[kept]
+        seen = self.cumulative_length
+        if self.sink_span is None:  # a row has no real token yet: where its sinks lie is unknown, keep every key
+            head = tail = seen
+        else:  # the next query (position `seen`) sees the sinks and the keys less than a window behind it
+            head = min(self.sink_span, seen)
+            tail = max(seen - self.window + 1, head)
+        # [0, head) lies within what is held ([0, self.head) is, and so is everything when head > self.head, since
+        # nothing was evicted before the sinks were known); [tail, seen) is the last seen - tail keys
+        self.keys = torch.cat([keys[:, :, :head], keys[:, :, keys.shape[2] - (seen - tail) :]], dim=-2)
+        self.values = torch.cat([values[:, :, :head], values[:, :, values.shape[2] - (seen - tail) :]], dim=-2)
+        self.head, self.tail = head, tail
         return keys, values
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        """Every position so far: the mask is built over them and then cut to `key_positions`' columns. (Before
+        """Every position so far: the mask is built over them and then cut to `kept_blocks`' columns. (Before
         transformers 5.3 the new tokens' `cache_position` comes instead of their count.)"""
         length = query_length if isinstance(query_length, int) else len(query_length)
         return self.cumulative_length + length, 0
@@ -131,9 +146,9 @@ class SinkWindowLayer(DynamicLayer):
         return self.cumulative_length
 
     def reset(self) -> None:
-        super().reset()
-        self.sink_span, self.cumulative_length = self.sinks, 0
-        self.positions = torch.empty(0, dtype=torch.long)
+        self.keys = self.values = None  # dropped, as `update` grows them by concatenation
+        self.is_initialized = False
+        self.clear()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -214,9 +229,10 @@ class ZooSlidingWindowAttention(ZooMultiHeadAttention):
 
     @classmethod
     def key_value_cache(cls, config: ZooSlidingWindowConfig) -> Cache:
-        """With sink tokens StreamingLLM's cache (sinks and window kept, the keys between evicted), except under flex
-        attention or ALiBi, whose masks cannot be cut to the kept keys: there every key is kept."""
-        evicts = config._attn_implementation != "flex_attention" and config.position_embedding_type != "alibi"
+        """With sink tokens StreamingLLM's cache (sinks and window kept, the keys between evicted) on eager and sdpa
+        without ALiBi; a block mask (flex) or a bias by distance (ALiBi) cannot be cut to the kept keys: there every
+        key is kept."""
+        evicts = config._attn_implementation in ("eager", "sdpa") and config.position_embedding_type != "alibi"
         if config.num_sink_tokens and evicts:
             return SinkWindowCache(config.num_hidden_layers, config.sliding_window, config.num_sink_tokens)
         return DynamicCache(config=cls.cache_config(config))
