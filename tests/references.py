@@ -283,16 +283,21 @@ def aft_attention(attn, hidden, positions, attention_mask, config, causal=True):
 
 def linear_attention(attn, hidden, positions, attention_mask, config, causal=True):
     """Katharopoulos et al. 2020, section 3, one (row, head, query) at a time in float64: y_t = φ(q_t)ᵀ
-    Σ_s φ(k_s) v_sᵀ / (φ(q_t)ᵀ Σ_s φ(k_s) + ε), φ(x) = elu(x) + 1, no scale, over the real tokens s <= t (every real
-    token as an encoder, `causal=False`); query head h reads key/value head h // (H / G)."""
+    Σ_s φ(k_s) v_sᵀ / (φ(q_t)ᵀ Σ_s φ(k_s) + ε), φ(x) = elu(x) + 1 (or, with `feature_map="hedgehog"`, each head's
+    [softmax(xW), softmax(-xW)] written out as exponentials), no scale, over the real tokens s <= t (every real token
+    as an encoder, `causal=False`); query head h reads key/value head h // (H / G)."""
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
 
-    def phi(x):
-        return torch.where(x > 0, x + 1, torch.exp(x))  # elu(x) + 1 written out
+    def phi(x, maps):  # x: (B, T, heads, d)
+        if maps is None:
+            return torch.where(x > 0, x + 1, torch.exp(x))  # elu(x) + 1 written out
+        projected = torch.einsum("bthd,hde->bthe", x, maps.double())
+        plus, minus = torch.exp(projected), torch.exp(-projected)
+        return torch.cat((plus / plus.sum(-1, keepdim=True), minus / minus.sum(-1, keepdim=True)), dim=-1)
 
-    q = phi(attn.q_proj(hidden).view(batch, length, heads, head_dim).double())
-    k = phi(attn.k_proj(hidden).view(batch, length, kv_heads, head_dim).double())
+    q = phi(attn.q_proj(hidden).view(batch, length, heads, head_dim).double(), attn.query_feature_map)
+    k = phi(attn.k_proj(hidden).view(batch, length, kv_heads, head_dim).double(), attn.key_feature_map)
     v = attn.v_proj(hidden).view(batch, length, kv_heads, head_dim).double()
     out = torch.zeros(batch, length, heads, head_dim, dtype=torch.float64)
     for b in range(batch):

@@ -171,6 +171,27 @@ def test_bad_options_are_refused_before_any_work(tmp_path, sotu, fields, named):
     assert not (Path(options.output_dir) / "cells").exists()
 
 
+def test_targets_name_the_convert_options_they_build():
+    assert frontier.target_options("linear:hedgehog", "aligned") == [
+        "--to",
+        "linear",
+        "--config",
+        '{"feature_map": "hedgehog"}',
+    ]
+    assert (
+        frontier.target_options("sliding_window:64+4", "aligned")[-1] == '{"sliding_window": 64, "num_sink_tokens": 4}'
+    )
+    assert frontier.target_options("mla:64+32", "aligned") == [
+        "--to",
+        "mla",
+        "--kv_lora_rank",
+        "64",
+        "--qk_rope_head_dim",
+        "32",
+    ]
+    assert frontier.cell_name("linear:hedgehog", "transfer", 60000) == "linearhedgehog-transfer-60000"
+
+
 def test_a_rows_command_names_paths_under_the_working_directory_relatively(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert frontier.relative(str(tmp_path / "data" / "sotu" / "1999.txt")) == "data/sotu/1999.txt"

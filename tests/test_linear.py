@@ -95,10 +95,23 @@ def test_bidirectional_kernel_is_the_papers_non_causal_formula():
     torch.testing.assert_close(output, expected.float(), atol=ATOL, rtol=0)
 
 
-def test_long_left_padded_prompts_prefilled_in_pieces_then_decoded_equal_the_uncached_forward():
+def linear_model(feature_map: str, position: str = "none"):
+    """A tiny linear-attention model; a hedgehog one with random maps, so that they are not the identity."""
+    model = tiny_model("linear", position, feature_map=feature_map)
+    generator = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        for weight in (layer.self_attn.query_feature_map, layer.self_attn.key_feature_map):
+            if weight is not None:
+                weight.data = torch.randn(weight.shape, generator=generator)
+    return model
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "hedgehog"])
+def test_long_left_padded_prompts_prefilled_in_pieces_then_decoded_equal_the_uncached_forward(feature_map):
     """Prompts of 30, 21 and 9 tokens (several chunks of 4), prefilled in pieces of 7 and 10 that cut through chunks,
-    then decoded a token at a time: the logits of a forward over each whole row alone, without cache (1e-5)."""
-    model = tiny_model("linear", "sinusoidal")
+    then decoded a token at a time: the logits of a forward over each whole row alone, without cache (1e-5); the
+    uncached forward is the paper's formula with the feature map written out."""
+    model = linear_model(feature_map, "sinusoidal")
     input_ids, attention_mask, rows = left_padded_batch(lengths=(30, 21, 9))
     position_ids = positions_from_mask(attention_mask)
     bounds = [0, 7, 17, *range(18, input_ids.shape[1] + 1)]
@@ -125,16 +138,19 @@ def test_long_left_padded_prompts_prefilled_in_pieces_then_decoded_equal_the_unc
         torch.testing.assert_close(actual[i, -len(row) :], expected[i, -len(row) :], atol=ATOL, rtol=0)
 
 
-def test_decoding_state_is_constant_in_the_length():
-    """L·G·d_h·(d_h + 1) float32 values per row, after 3 new tokens as after 40."""
-    model = tiny_model("linear")
+@pytest.mark.parametrize(("feature_map", "features"), [("elu", 1), ("hedgehog", 2)])
+def test_decoding_state_is_constant_in_the_length(feature_map, features):
+    """L·G·φ·(d_h + 1) float32 values per row (φ = d_h features, 2·d_h for the hedgehog map), after 3 new tokens as
+    after 40."""
+    model = tiny_model("linear", feature_map=feature_map)
     config = model.config
     input_ids = torch.randint(3, 90, (2, 5))
     sizes = []
     for new_tokens in (3, 40):
         out = model.generate(input_ids, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
         sizes.append(sum(layer.nbytes() for layer in returned_cache(out).layers))
-    per_row = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (config.head_dim + 1) * 4
+    features *= config.head_dim
+    per_row = config.num_hidden_layers * config.num_key_value_heads * features * (config.head_dim + 1) * 4
     assert sizes == [2 * per_row, 2 * per_row]
 
 
@@ -154,6 +170,23 @@ def test_rope_and_alibi_are_refused_naming_why():
     for position in ("rope", "alibi"):
         with pytest.raises(ValueError, match="position_embedding_type"):
             tiny_model("linear", position)
+    with pytest.raises(ValueError, match="feature_map='relu' is not one of elu, hedgehog"):
+        tiny_model("linear", feature_map="relu")
+
+
+def test_the_hedgehog_map_starts_at_the_identity_and_survives_a_checkpoint(tmp_path):
+    """A fresh hedgehog map is the identity (φ(x) = [softmax(x), softmax(-x)]); trained maps load back as saved."""
+    from transformers import AutoModelForCausalLM
+
+    fresh = tiny_model("linear", feature_map="hedgehog").model.layers[0].self_attn
+    eye = torch.eye(fresh.head_dim)
+    assert torch.equal(fresh.query_feature_map, eye.expand_as(fresh.query_feature_map))
+    assert torch.equal(fresh.key_feature_map, eye.expand_as(fresh.key_feature_map))
+    model = linear_model("hedgehog")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    input_ids = torch.randint(3, 90, (2, 9))
+    assert torch.equal(loaded(input_ids).logits, model(input_ids).logits)
 
 
 def test_bfloat16_model_keeps_its_sums_in_float32():

@@ -105,6 +105,20 @@ def test_every_target_converts_and_transfers(target):
     assert logits.shape == (2, 16, VOCAB_SIZE) and torch.isfinite(logits).all()
 
 
+def test_a_hedgehog_map_starts_fresh_and_learns_the_parents_attention():
+    """Linear attention with LoLCATs' learned feature map: the parent's projections copied, the maps fresh (the
+    identity), and attention transfer trains the maps with the projections."""
+    parent = tiny_model("mha")
+    conversion = convert_attention(parent, "linear", feature_map="hedgehog")
+    assert set(conversion.copied) >= {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
+    assert set(conversion.fresh) == {"query_feature_map", "key_feature_map"}
+    student = conversion.model
+    maps = student.model.layers[0].self_attn.query_feature_map.detach().clone()
+    results = attention_transfer(parent, student, calibration(), epochs=2, learning_rate=3e-3)
+    assert all(result.loss_after < result.loss_before for result in results)
+    assert not torch.equal(student.model.layers[0].self_attn.query_feature_map, maps)
+
+
 def test_the_command_offers_every_variant_an_attention_converts_to():
     """`hf-attn-zoo convert --to` lists exactly the registered variants a conversion builds from an MHA parent:
     every one but Mamba (its class takes nothing of an attention) and one head as wide as the model."""

@@ -4,7 +4,8 @@ three methods at matched token budgets, held-out perplexity against the parent's
 Targets (`--targets`, each `variant` or `variant:size`): `mqa` (pooled by `--pooling`, fitted on the last
 `--calibration_addresses` training addresses), `gqa:G`, `mla:R+P` (a latent of R and a shared RoPE key of P: R + P
 numbers cached per layer and token, against GQA-3's 2·3·64 = 384 for SmolLM2), `sliding_window:W` (a window of W
-keys) or `sliding_window:W+S` (and the first S tokens as attention sinks, StreamingLLM's), and any other
+keys) or `sliding_window:W+S` (and the first S tokens as attention sinks, StreamingLLM's), `linear` or
+`linear:hedgehog` (linear attention with elu + 1, or with LoLCATs' learned feature map), and any other
 target of `hf-attn-zoo convert` by name (`linear`, `aft_simple`, `bigbird` ...: the parent's projections copied where
 they mean the same, the rest fresh). Methods (`--methods`):
 
@@ -53,6 +54,7 @@ from hf_attn_zoo.checkpoints import write_atomically
 from hf_attn_zoo.convert.calibrated import CALIBRATION_METHODS
 from hf_attn_zoo.evaluation.plotting import colour, headless_pyplot, house_style, save_figure
 from hf_attn_zoo.loading import load_model_and_tokenizer
+from hf_attn_zoo.models.linear import FEATURE_MAPS
 from hf_attn_zoo_cli import main as command_line
 
 METHODS = ("ce", "transfer", "transfer_distill")
@@ -94,7 +96,10 @@ class FrontierSetup(Results):
             "sliding_window:256+4",
             "linear",
         ],
-        metadata={"help": "variant or variant:size (gqa:G, mla:R+P, sliding_window:W or W+S with S sink tokens)"},
+        metadata={
+            "help": "variant or variant:size (gqa:G, mla:R+P, sliding_window:W or W+S with S sink tokens, "
+            "linear:elu or linear:hedgehog)"
+        },
     )
     methods: list[str] = field(default_factory=lambda: list(METHODS), metadata={"help": f"of {METHODS}"})
     budgets: list[int] = field(
@@ -140,8 +145,14 @@ def target_options(target: str, pooling: str) -> list[str]:
             raise SystemExit(f"--targets {target}: give sliding_window:W or sliding_window:W+S (whole numbers)")
         fields = {"sliding_window": int(window), **({"num_sink_tokens": int(sinks)} if sinks else {})}
         return ["--to", variant, "--config", json.dumps(fields)]
+    if variant == "linear" and size:
+        if size not in FEATURE_MAPS:
+            raise SystemExit(f"--targets {target}: give linear:MAP, MAP one of {' '.join(FEATURE_MAPS)}")
+        return ["--to", variant, "--config", json.dumps({"feature_map": size})]
     if size:
-        raise SystemExit(f"--targets {target}: a size is read for gqa:G, mla:R+P and sliding_window:W[+S] only")
+        raise SystemExit(
+            f"--targets {target}: a size is read for gqa:G, mla:R+P, sliding_window:W[+S] and linear:MAP only"
+        )
     return ["--to", variant]
 
 

@@ -30,14 +30,24 @@ and ALiBi act on the dot product inside a softmax and are refused: rotating q an
 depend on absolute positions (RoFormer's linear form rotates the numerator only, another formula) and ALiBi needs a
 score matrix, which this kernel never forms. `output_attentions` gives None for the same reason.
 
+Feature maps (`feature_map`): `"elu"`, the paper's φ(x) = elu(x) + 1 (nothing learned); `"hedgehog"`, Zhang et al.
+2024's learned map ("The Hedgehog & the Porcupine"; LoLCATs' feature map): per head a d x d matrix W, φ(x) =
+[softmax(xW), softmax(-xW)] over the 2d features, W started at the identity. Trained to reproduce softmax attention's
+output (attention transfer), it is what lets a converted model's linear layers come close to the softmax they
+replace; the state holds 2d features per key/value head, 2·L·G·d_h·(d_h + 1) values.
+
 Packed rows (several documents in one row, `position_ids` restarting at 0, as in padding-free training): the running
 sums restart at each document's first token, and inside a chunk a query reads the keys of its own document only.
 Padding tokens contribute nothing (their φ(k) is zeroed). Deviation from the paper: none beyond the backbone's
 choices (pre-norm, GQA grouping); `attention_dropout` is unused (there are no attention weights to drop).
 """
 
+from typing import ClassVar
+
 import torch
+from torch import nn
 from torch.nn import functional as F
+from transformers import initialization as init
 
 from .cache_zoo import ZooStateLayer, state_layer
 from .configuration_zoo import HEADS, ZooChunkedConfig, sized
@@ -58,15 +68,24 @@ class ZooLinearConfig(ZooChunkedConfig):
     )
     arxiv = ("2006.16236",)
     presets = sized(num_attention_heads=HEADS)
-    description = "φ(q)·Σφ(k)vᵀ / φ(q)·Σφ(k), φ = elu + 1 (Katharopoulos 2020), causal by running sums"
-    cache_per_token = "0 (state: L·G·d_h·(d_h + 1))"
+    description = (
+        "φ(q)·Σφ(k)vᵀ / φ(q)·Σφ(k), φ = elu + 1 (Katharopoulos 2020) or a learned hedgehog map (LoLCATs), causal by "
+        "running sums"
+    )
+    cache_per_token = "0 (state: L·G·d_h·(d_h + 1), twice with hedgehog)"
     supported_position_types = ("none", "sinusoidal", "learned")
 
     position_embedding_type: str = "none"
     linear_attention_eps: float = 1e-6
+    feature_map: str = "elu"
 
     def _check_variant(self) -> None:
         super()._check_variant()
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(
+                f"feature_map={self.feature_map!r} is not one of {', '.join(FEATURE_MAPS)}: elu (elu + 1, the "
+                f"paper's) or hedgehog (a learned map per head, for models converted from softmax attention)."
+            )
         eps = self.linear_attention_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ValueError(
@@ -75,9 +94,20 @@ class ZooLinearConfig(ZooChunkedConfig):
             )
 
 
+FEATURE_MAPS = ("elu", "hedgehog")
+
+
 def feature_map(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = elu(x) + 1, the paper's feature map: positive everywhere, linear for x > 0."""
     return F.elu(x) + 1
+
+
+def hedgehog_feature_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """φ(x) = [softmax(xW), softmax(-xW)], a head's own W: `x` `(B, heads, T, d)`, `weight` `(heads, d, d)` ->
+    `(B, heads, T, 2d)`. Positive, and it can learn the spikiness of softmax attention that elu + 1 lacks (Zhang et al.
+    2024, section 4)."""
+    projected = x @ weight  # (B, heads, T, d) @ (heads, d, d)
+    return torch.cat((projected.softmax(-1), (-projected).softmax(-1)), dim=-1)
 
 
 def linear_causal_attend(
@@ -159,8 +189,8 @@ def linear_bidirectional_attend(
 
 
 class ZooLinearAttention(ZooMultiHeadAttention):
-    """GQA projections, φ = elu + 1 on queries and keys, and the running sums of `linear_causal_attend` (or the
-    whole row's, in an encoder)."""
+    """GQA projections, φ (elu + 1, or a learned hedgehog map) on queries and keys, and the running sums of
+    `linear_causal_attend` (or the whole row's, in an encoder)."""
 
     family = "linear"
     native_format = None  # no transformers architecture computes it
@@ -170,19 +200,52 @@ class ZooLinearAttention(ZooMultiHeadAttention):
     cache_layer = ZooStateLayer  # Σφ(k)[v, 1]ᵀ per key/value head: nothing grows with the length
     mask_type = "tokens"
     # converted from softmax attention (LoLCATs' start, Zhang et al. 2024): the parent's projections, φ in place of
-    # the softmax; attention transfer then trains q and k for the feature map
+    # the softmax (a hedgehog map starts at the identity); attention transfer then trains q, k and the maps
     parent_weights = ("q_proj", "k_proj", "v_proj", "o_proj")
+    sized_by: ClassVar[dict[str, str]] = {
+        **ZooMultiHeadAttention.sized_by,
+        "query_feature_map": "num_attention_heads, head_dim (feature_map: hedgehog)",
+        "key_feature_map": "num_key_value_heads, head_dim (feature_map: hedgehog)",
+    }
+
+    def __init__(self, config: ZooLinearConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.query_feature_map = self.key_feature_map = None
+        if config.feature_map == "hedgehog":  # a d x d map per query head and per key/value head
+            self.query_feature_map = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.head_dim))
+            self.key_feature_map = nn.Parameter(torch.empty(self.num_key_value_heads, self.head_dim, self.head_dim))
+
+    def init_parameters(self, config: ZooLinearConfig) -> None:
+        for weight in (self.query_feature_map, self.key_feature_map):
+            if weight is not None:  # the identity: φ(x) = [softmax(x), softmax(-x)] to start from
+                init.copy_(weight, torch.eye(self.head_dim).expand_as(weight))
+
+    @classmethod
+    def feature_width(cls, config: ZooLinearConfig) -> int:
+        """Features per query or key head after φ: d, or 2d for the hedgehog map."""
+        return 2 * config.head_dim if config.feature_map == "hedgehog" else config.head_dim
+
+    def features(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """φ of the queries `(B, H, T, d)` and keys `(B, G, T, d)`, in float32."""
+        if self.query_feature_map is None:
+            return feature_map(query.float()), feature_map(key.float())
+        return (
+            hedgehog_feature_map(query.float(), self.query_feature_map.float()),
+            hedgehog_feature_map(key.float(), self.key_feature_map.float()),
+        )
 
     @classmethod
     def mixing_flops_per_token(cls, config: ZooLinearConfig, seq_len: int) -> float:
         # per query head: reading the running sums, φ(q)·[S, z] (2·d·(d_v + 1)), and the chunk's exact products,
         # φ(q)·φ(k) and their weighted [v, 1] over c keys (2·c·(d + d_v + 1)); per key/value head, folding a token
         # into the sums (2·d·(d_v + 1)). φ and the division are elementwise, left out as PaLM leaves softmax out
+        # a hedgehog map adds its d x d product per query and key head (2·d² each) and doubles the features
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        width, value_width = cls.query_key_width(config), cls.value_width(config)
+        width, value_width = cls.feature_width(config), cls.value_width(config)
         chunk = min(config.query_chunk_size, seq_len)
         read_and_fold = 2 * width * (value_width + 1) * (heads + kv_heads)
-        return read_and_fold + 2 * heads * chunk * (width + value_width + 1)
+        maps = 2 * config.head_dim**2 * (heads + kv_heads) if config.feature_map == "hedgehog" else 0
+        return read_and_fold + 2 * heads * chunk * (width + value_width + 1) + maps
 
     @classmethod
     def attention_weights_absence(cls, config: ZooLinearConfig) -> str:
@@ -200,7 +263,7 @@ class ZooLinearAttention(ZooMultiHeadAttention):
         dtype = hidden_states.dtype
         query, key, value = self.project(hidden_states, None)  # (B, H, T, d), (B, G, T, d) x 2
         # the sums run in float32 whatever the model's dtype: bfloat16 running sums over thousands of tokens drift
-        query, key, value = feature_map(query.float()), feature_map(key.float()), value.float()
+        (query, key), value = self.features(query, key), value.float()  # (B, H, T, φ), (B, G, T, φ)
         if attention_mask.padding is not None:  # padding adds nothing to the sums
             key = key * attention_mask.padding[:, None, :, None].to(key.dtype)  # (B, 1, T, 1)
         eps = self.config.linear_attention_eps
