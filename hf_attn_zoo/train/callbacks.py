@@ -131,15 +131,21 @@ class ThroughputCallback(TrainerCallback):
     """Adds `tokens_per_second` (all processes) to the logs and, on a known GPU, `mfu`: model FLOPs per token
     (`train.build.training_flops_per_token`: 6·N plus 3·L times the variant's mixing FLOPs, PaLM's 6·N + 12·L·H·d_h·T
     for MHA) against the device's dense bf16 peak (`PEAK_FLOPS`). Every log, evaluations' included, also gets
-    `elapsed_seconds`: wall-clock time since this process began training, evaluations and saving included, so that a
-    run's `trainer_state.json` holds its validation scores against minutes."""
+    `elapsed_seconds`: wall-clock time spent training, evaluations and saving included, so that a run's
+    `trainer_state.json` holds its validation scores against minutes. A resumed run counts on from the last
+    `elapsed_seconds` its checkpoint logged (`carried_seconds`), so the curve and the summary's `seconds` cover the
+    whole run, not only its last part."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None) -> None:
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self._start, self._step, self._began = None, 0, None
+        self.carried_seconds = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._began = time.perf_counter()
+        # On resume the Trainer has loaded the checkpoint's log history by now; a fresh run's is empty.
+        logged = [entry["elapsed_seconds"] for entry in state.log_history if "elapsed_seconds" in entry]
+        self.carried_seconds = logged[-1] if logged else 0.0
+        self._began = time.perf_counter() - self.carried_seconds
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._start is None:

@@ -33,7 +33,7 @@ from ..checkpoints import publish_folder, write_atomically
 from ..data import DataArguments
 from ..errors import UserError
 from .build import parameter_count, transfer_from_parent
-from .callbacks import MemoryCallback, run_callbacks, throughput_first
+from .callbacks import MemoryCallback, ThroughputCallback, run_callbacks, throughput_first
 from .lora import add_mlp_lora, merge_lora
 from .recipe import SECTIONS, ModelArguments, ZooTrainingArguments, load_recipe
 from .tasks import Prepared, task_for
@@ -203,6 +203,7 @@ def run_training(
     throughput_first(trainer)
     first_step = checkpoint_step(resume) if resume else 0
     seconds, memory_per_process = train_measured(trainer, memory, resume)
+    carried = next(c.carried_seconds for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
     averaged = []
     if training_args.average_checkpoints > 1:
         averaged = [path.name for path in average_last_checkpoints(trainer, training_args.average_checkpoints)]
@@ -217,8 +218,9 @@ def run_training(
         "distributed": trainer.accelerator.distributed_type.value,
         "steps": steps,
         "train_tokens": steps * tokens_per_step,
-        "seconds": round(seconds, 1),
-        "tokens_per_second": round((steps - first_step) * tokens_per_step / max(seconds, 1e-9), 1),
+        "seconds": round(carried + seconds, 1),  # before the resumed checkpoint too
+        "tokens_per_second": round((steps - first_step) * tokens_per_step / max(seconds, 1e-9), 1),  # this process's
+        **({"resumed_from_step": first_step} if resume else {}),
         "flops_per_token": flops_per_token,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "evaluations": [
