@@ -490,12 +490,19 @@ class ConvertStages:
     """`OUT.stages`, beside OUT while a `convert --distill` runs: the model entering distillation (`start/`, with
     what the stages before it measured) and the distillation's Trainer checkpoints (`distillation/`), so that the
     same command run again after a stop resumes there instead of converting and transferring again. Kept for this
-    command's options only (`options.json`): another command's stages are set aside, never trained on. Dropped
+    command's options and text only (`options.json`: the options, and a digest of each text file they name):
+    another command's stages, or stages made from text edited since, are set aside, never trained on. Dropped
     once OUT is written."""
 
     def __init__(self, options: ConvertOptions) -> None:
         self.folder = Path(options.out).with_name(Path(options.out).name + ".stages")
         self.options = json.loads(json.dumps(dataclasses.asdict(options), default=str))
+        if options.distill:  # only a distilling command keeps stages
+            from .data import expand_files
+
+            named = {"--calibration": options.calibration, "--data": options.data, "--eval_data": options.eval_data}
+            texts = [path for field, paths in named.items() if paths for path in expand_files(paths, field)]
+            self.options["text_digests"] = {str(path): file_digest(path) for path in texts}
 
     def resume(self):
         """(model, tokenizer, state) of a kept start of distillation for these options, or None."""
@@ -508,7 +515,8 @@ class ConvertStages:
             aside = self.folder.with_name(f"{self.folder.name}.other-{int(time.time())}")
             self.folder.rename(aside)
             print(
-                f"{self.folder} was not left by this command (other or unknown options): moved to {aside}; "
+                f"{self.folder} was not left by this command (other or unknown options, or edited text): moved to "
+                f"{aside}; "
                 "starting over"
             )
             return None
@@ -532,6 +540,17 @@ class ConvertStages:
         import shutil
 
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes (the text files a convert reads: tens of megabytes at most)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def run_distillation(options: ConvertOptions, converted, tokenizer, stages: Path) -> tuple:

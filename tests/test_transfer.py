@@ -288,8 +288,19 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
     # another command on the same OUT: the stages are set aside, and it converts afresh
     monkeypatch.setattr(train, "run_training", watched)
     assert main(argv(out)) == 0 and resumed == [None]
-    assert "was not left by this command (other or unknown options)" in capsys.readouterr().out
+    assert "was not left by this command (other or unknown options" in capsys.readouterr().out
     assert len(list(tmp_path.glob("mqa.stages.other-*"))) == 1 and not stages.exists()
+    # the same command after its training text changed: the stages were made from other text, set aside too
+    data = tmp_path / "data.txt"
+    data.write_text(texts[0].read_text())
+    edited = [*argv(tmp_path / "edited"), "--data", str(data)]
+    monkeypatch.setattr(train, "run_training", stopped)
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(edited)
+    data.write_text(texts[0].read_text() + " One more sentence.")
+    monkeypatch.setattr(train, "run_training", watched)
+    assert main(edited) == 0 and resumed == [None, None]
+    assert "edited text" in capsys.readouterr().out and len(list(tmp_path.glob("edited.stages.other-*"))) == 1
 
     out = tmp_path / "again"
     monkeypatch.setattr(train, "run_training", stopped)
@@ -301,7 +312,7 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
 
     monkeypatch.setattr(cli, "convert_and_transfer", converted_again)
     monkeypatch.setattr(train, "run_training", watched)
-    assert main(argv(out)) == 0 and resumed == [None, "latest"]
+    assert main(argv(out)) == 0 and resumed == [None, None, "latest"]
     again = json.loads((out / "training_summary.json").read_text())
     for stage, value in whole["held_out_perplexity"].items():
         assert again["held_out_perplexity"][stage] == pytest.approx(value, rel=1e-5), stage
