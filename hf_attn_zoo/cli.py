@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import textwrap
 import time
@@ -254,6 +255,7 @@ def convert_command(options: ConvertOptions) -> Path:
     from .convert.latent import MLA_METHODS
     from .data import expand_files
 
+    launch = time.perf_counter()
     latent, pooled = options.to == "mla", options.to in ("mha", "gqa", "mqa")
     if options.method is not None and not (latent or pooled):
         raise UserError(
@@ -290,14 +292,15 @@ def convert_command(options: ConvertOptions) -> Path:
     if (resumed := stages.resume()) is not None:  # an earlier run of this command got as far as distillation
         converted, tokenizer, state = resumed
         summary, details, scores = state["summary"], state["details"], state["scores"]
-        how, seconds = state["how"], state["seconds"]
+        how, seconds, earlier = state["how"], state["seconds"], state["elapsed"]
     else:
+        earlier = 0.0
         converted, tokenizer, summary, details, scores, how, seconds = convert_and_transfer(
             options, method, calibration, files, fields, transfer_texts, held_out
         )
         if options.distill:  # the long stage: what came before is kept, so a stopped run resumes from here
             state = {"summary": summary, "details": details, "scores": scores, "how": how, "seconds": seconds}
-            stages.keep(converted, tokenizer, state)
+            stages.keep(converted, tokenizer, {**state, "elapsed": time.perf_counter() - launch})
     if options.distill:
         converted, summary["distillation"] = run_distillation(options, converted, tokenizer, stages.folder)
         distillation = summary["distillation"]
@@ -308,8 +311,11 @@ def convert_command(options: ConvertOptions) -> Path:
         )
         if held_out:
             scores["distilled"] = held_out_perplexity(converted, tokenizer, held_out, options)
+        earlier += distillation.get("seconds_before_resume", 0.0)
     if scores:
         summary["held_out_perplexity"] = scores
+    # the whole command's wall time: with stages resumed, the launches that made them too (not the work they lost)
+    summary["seconds"] = round(earlier + time.perf_counter() - launch, 1)
     out = save_checkpoint(options.out, converted, tokenizer=tokenizer, training=details, summary=summary)
     stages.drop()
     print_convert_summary(options, converted, how, seconds, summary, out)
@@ -511,14 +517,13 @@ class ConvertStages:
         stamp, start = self.folder / "options.json", self.folder / "start"
         if not (start / "stage.json").is_file():
             return None
-        if not stamp.is_file() or json.loads(stamp.read_text()) != self.options:
+        kept = json.loads(stamp.read_text()) if stamp.is_file() else {}
+        if kept != self.options:
             aside = self.folder.with_name(f"{self.folder.name}.other-{int(time.time())}")
             self.folder.rename(aside)
-            print(
-                f"{self.folder} was not left by this command (other or unknown options, or edited text): moved to "
-                f"{aside}; "
-                "starting over"
-            )
+            differ = sorted(key for key in {*kept, *self.options} if kept.get(key) != self.options.get(key))
+            why = f"it differs in {', '.join(differ)}" if kept else "it has no options.json"
+            print(f"{self.folder} was not left by this command ({why}): moved to {aside}; starting over")
             return None
         model, tokenizer = load_model_and_tokenizer(str(start))
         print(f"resuming from {start}: the stages before distillation, done by an earlier run of this command")
@@ -542,8 +547,8 @@ class ConvertStages:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def file_digest(path: str) -> str:
-    """SHA-256 of a file's bytes (the text files a convert reads: tens of megabytes at most)."""
+def file_digest(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, read a megabyte at a time."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -613,12 +618,16 @@ def run_distillation(options: ConvertOptions, converted, tokenizer, stages: Path
     summary = run_training(model_args, data_args, training_args)
     distilled = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
     keep = ("steps", "train_tokens", "seconds", "tokens_per_second", "losses", "validation_perplexity")
+    keep += ("resumed_from_step", "seconds_before_resume") if "resumed_from_step" in summary else ()
     keep += ("lora_rank", "trainable_parameters") if options.lora_rank is not None else ()
     return distilled, {key: summary[key] for key in keep}
 
 
 def print_convert_summary(options: ConvertOptions, converted, how: str, seconds: float, summary: dict, out) -> None:
-    print(f"{converted.config.model_type} ({how}; {seconds:.1f} s) written to {out}")
+    print(
+        f"{converted.config.model_type} ({how}; converted in {seconds:.1f} s, {summary['seconds']:.0f} s in all) "
+        f"written to {out}"
+    )
     if "distillation" in summary:
         distillation = summary["distillation"]
         print(

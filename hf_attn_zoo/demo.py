@@ -82,7 +82,8 @@ def run_demo(options: DemoOptions) -> dict:
     sample = tokenizer.decode(generated[0], skip_special_tokens=True)
     print(
         f"\n{variant.model_type}: {summary['parameters'] / 1e6:.2f}M parameters, {summary['steps']} steps, "
-        f"{summary['train_tokens']:,} tokens in {summary['seconds']:.0f} s ({summary['tokens_per_second']:,.0f}/s)"
+        f"{summary['train_tokens']:,} tokens in {summary['seconds']:.0f} s "
+        f"({summary['train_tokens'] / max(summary['seconds'], 1e-9):,.0f}/s)"
     )
     print(
         f"validation perplexity {summary['validation_perplexity']:.2f}; unigram baseline of the same data "

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from test_cli import one_line_error, saved_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from hf_attn_zoo.convert.transfer import attention_transfer, convert_attention, transfer_batches
 from hf_attn_zoo.models import get_variant
@@ -244,8 +244,9 @@ def test_convert_transfer_and_distill_in_one_command(tmp_path, texts, capsys):
 def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, monkeypatch, capsys):
     """`convert --transfer --distill` stopped during distillation keeps OUT.stages (the transferred model, the
     Trainer's checkpoints) and writes no OUT; the same command again converts and transfers nothing, resumes the
-    Trainer from its newest checkpoint, and gives what one uninterrupted run gives. Stages a command with other
-    options left are set aside, never trained on."""
+    Trainer from its newest checkpoint, and gives what one uninterrupted run gives, its seconds counting the stopped
+    launch too. Stages a command with other options left, or made from text edited since, are set aside, never
+    trained on."""
     import hf_attn_zoo.cli as cli
     import hf_attn_zoo.train as train
 
@@ -272,8 +273,13 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
 
     real, resumed = train.run_training, []
 
+    class StopHalfway(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == state.max_steps // 2
+
     def stopped(model_args, data_args, training_args):
-        real(model_args, data_args, training_args)  # its checkpoints are written; the stop comes before OUT
+        # stopped halfway, its checkpoint written; the stop comes before OUT
+        real(model_args, data_args, training_args, callbacks=[StopHalfway()])
         raise RuntimeError("stopped")
 
     def watched(model_args, data_args, training_args):
@@ -288,7 +294,7 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
     # another command on the same OUT: the stages are set aside, and it converts afresh
     monkeypatch.setattr(train, "run_training", watched)
     assert main(argv(out)) == 0 and resumed == [None]
-    assert "was not left by this command (other or unknown options" in capsys.readouterr().out
+    assert "was not left by this command (it differs in temperature)" in capsys.readouterr().out
     assert len(list(tmp_path.glob("mqa.stages.other-*"))) == 1 and not stages.exists()
     # the same command after its training text changed: the stages were made from other text, set aside too
     data = tmp_path / "data.txt"
@@ -300,7 +306,8 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
     data.write_text(texts[0].read_text() + " One more sentence.")
     monkeypatch.setattr(train, "run_training", watched)
     assert main(edited) == 0 and resumed == [None, None]
-    assert "edited text" in capsys.readouterr().out and len(list(tmp_path.glob("edited.stages.other-*"))) == 1
+    assert "(it differs in text_digests)" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("edited.stages.other-*"))) == 1
 
     out = tmp_path / "again"
     monkeypatch.setattr(train, "run_training", stopped)
@@ -314,6 +321,10 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
     monkeypatch.setattr(train, "run_training", watched)
     assert main(argv(out)) == 0 and resumed == [None, None, "latest"]
     again = json.loads((out / "training_summary.json").read_text())
+    distillation = again["distillation"]
+    assert distillation["resumed_from_step"] == distillation["steps"] // 2
+    assert distillation["seconds_before_resume"] > 0
+    assert again["seconds"] > distillation["seconds"] >= distillation["seconds_before_resume"]
     for stage, value in whole["held_out_perplexity"].items():
         assert again["held_out_perplexity"][stage] == pytest.approx(value, rel=1e-5), stage
     losses = [

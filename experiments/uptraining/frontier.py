@@ -35,7 +35,6 @@ holds, as `frontier_converged/` for the converged SOTU parent) their tables in d
 
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -231,10 +230,10 @@ def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files:
     summary_file, scored_file = out / "training_summary.json", out / "frontier.json"
     scored = json.loads(scored_file.read_text()) if scored_file.is_file() else {}
     if not (summary_file.is_file() and "seconds" in scored):  # a stop before: convert again (it resumes its stages)
-        start = time.perf_counter()
         if command_line(argv) != 0:
             raise SystemExit(f"{out.name}: hf-attn-zoo {' '.join(argv)} failed")
-        scored = {"seconds": round(time.perf_counter() - start, 1)}
+        # the command's wall time, over every launch when it resumed its stages
+        scored = {"seconds": json.loads(summary_file.read_text())["seconds"]}
         write_atomically(scored_file, json.dumps(scored, indent=2))
     if "reference_perplexity" not in scored:  # a stop while scoring: the cell's model is there, score it again
         scored["reference_perplexity"] = references(setup, str(out))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoints import write_atomically
@@ -127,24 +128,34 @@ def peak_flops() -> float | None:
     return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
 
 
-class ThroughputCallback(TrainerCallback):
+class ThroughputCallback(TrainerCallback, ExportableState):
     """Adds `tokens_per_second` (all processes) to the logs and, on a known GPU, `mfu`: model FLOPs per token
     (`train.build.training_flops_per_token`: 6·N plus 3·L times the variant's mixing FLOPs, PaLM's 6·N + 12·L·H·d_h·T
     for MHA) against the device's dense bf16 peak (`PEAK_FLOPS`). Every log, evaluations' included, also gets
     `elapsed_seconds`: wall-clock time spent training, evaluations and saving included, so that a run's
-    `trainer_state.json` holds its validation scores against minutes. A resumed run counts on from the last
-    `elapsed_seconds` its checkpoint logged (`carried_seconds`), so the curve and the summary's `seconds` cover the
-    whole run, not only its last part."""
+    `trainer_state.json` holds its validation scores against minutes. Every checkpoint's trainer state keeps the
+    seconds elapsed when it was saved (the callback's exported state), and a run resumed from it counts on from there
+    (`carried_seconds`), so the curve and the summary's `seconds` cover the whole run, not only its last launch."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: float | None) -> None:
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self._start, self._step, self._began = None, 0, None
         self.carried_seconds = 0.0
 
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._began if self._began is not None else 0.0
+
+    def state(self) -> dict:
+        """What `Trainer._save_checkpoint` writes into the checkpoint's trainer state (`ExportableState`)."""
+        arguments = {"tokens_per_step": self.tokens_per_step, "flops_per_token": self.flops_per_token}
+        return {"args": {**arguments, "peak": self.peak}, "attributes": {"elapsed_at_save": round(self.elapsed(), 1)}}
+
     def on_train_begin(self, args, state, control, **kwargs):
-        # On resume the Trainer has loaded the checkpoint's log history by now; a fresh run's is empty.
-        logged = [entry["elapsed_seconds"] for entry in state.log_history if "elapsed_seconds" in entry]
-        self.carried_seconds = logged[-1] if logged else 0.0
+        # By now the Trainer has read a resumed checkpoint's trainer state; a fresh run's holds this callback's
+        # state as constructed, 0 seconds.
+        saved = state.stateful_callbacks.get(type(self).__name__) or {}
+        saved = saved[-1] if isinstance(saved, list) else saved
+        self.carried_seconds = saved.get("attributes", {}).get("elapsed_at_save", 0.0)
         self._began = time.perf_counter() - self.carried_seconds
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -153,7 +164,7 @@ class ThroughputCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and self._began is not None:
-            elapsed = {"elapsed_seconds": round(time.perf_counter() - self._began, 1)}
+            elapsed = {"elapsed_seconds": round(self.elapsed(), 1)}
             logs.update(elapsed)
             state.log_history[-1].update(elapsed)
         if logs is None or self._start is None or "loss" not in logs:

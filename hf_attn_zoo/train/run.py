@@ -218,9 +218,10 @@ def run_training(
         "distributed": trainer.accelerator.distributed_type.value,
         "steps": steps,
         "train_tokens": steps * tokens_per_step,
-        "seconds": round(carried + seconds, 1),  # before the resumed checkpoint too
-        "tokens_per_second": round((steps - first_step) * tokens_per_step / max(seconds, 1e-9), 1),  # this process's
-        **({"resumed_from_step": first_step} if resume else {}),
+        "seconds": round(carried + seconds, 1),  # the launches before the resumed checkpoint's save too
+        # this launch's steps over this launch's seconds, every process's tokens
+        "tokens_per_second": round((steps - first_step) * tokens_per_step / max(seconds, 1e-9), 1),
+        **({"resumed_from_step": first_step, "seconds_before_resume": carried} if resume else {}),
         "flops_per_token": flops_per_token,
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "evaluations": [
