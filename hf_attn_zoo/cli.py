@@ -21,6 +21,8 @@ from .errors import MissingPathError, UserError
 from .models import VARIANTS
 
 if TYPE_CHECKING:
+    import torch
+
     from hf_attn_zoo_cli import (
         AttentionOptions,
         ConvertOptions,
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
         TranslateEvalOptions,
         TranslateOptions,
     )
+
+    from .convert.transfer import LayerTransfer
 
 # list
 
@@ -294,13 +298,13 @@ def convert_command(options: ConvertOptions) -> Path:
         summary, details, scores = state["summary"], state["details"], state["scores"]
         how, seconds, earlier = state["how"], state["seconds"], state["elapsed"]
     else:
-        earlier = 0.0
         converted, tokenizer, summary, details, scores, how, seconds = convert_and_transfer(
-            options, method, calibration, files, fields, transfer_texts, held_out
+            options, method, calibration, files, fields, transfer_texts, held_out, stages
         )
+        earlier = summary.get("transfer", {}).get("seconds_before_resume", 0.0)  # layers an earlier launch did
         if options.distill:  # the long stage: what came before is kept, so a stopped run resumes from here
             state = {"summary": summary, "details": details, "scores": scores, "how": how, "seconds": seconds}
-            stages.keep(converted, tokenizer, {**state, "elapsed": time.perf_counter() - launch})
+            stages.keep(converted, tokenizer, {**state, "elapsed": earlier + time.perf_counter() - launch})
     if options.distill:
         converted, summary["distillation"] = run_distillation(options, converted, tokenizer, stages.folder)
         distillation = summary["distillation"]
@@ -322,9 +326,12 @@ def convert_command(options: ConvertOptions) -> Path:
     return out
 
 
-def convert_and_transfer(options: ConvertOptions, method: str, calibration, files, fields, transfer_texts, held_out):
-    """The parent loaded and converted, scored, and its attention transferred when asked: (converted model,
-    tokenizer, summary, model-card details, held-out scores, how the attention was initialised, seconds)."""
+def convert_and_transfer(
+    options: ConvertOptions, method: str, calibration, files, fields, transfer_texts, held_out, stages: ConvertStages
+):
+    """The parent loaded and converted, scored, and its attention transferred when asked, each layer kept in
+    `stages` as it is done: (converted model, tokenizer, summary, model-card details, held-out scores, how the
+    attention was initialised, seconds)."""
     from .loading import check_model_folder, load_model_and_tokenizer
 
     latent, pooled = options.to == "mla", options.to in ("mha", "gqa", "mqa")
@@ -361,7 +368,7 @@ def convert_and_transfer(options: ConvertOptions, method: str, calibration, file
         scores["parent"] = held_out_perplexity(model, tokenizer, held_out, options)
         scores["converted"] = held_out_perplexity(converted, tokenizer, held_out, options)
     if options.transfer:
-        summary["transfer"] = run_transfer(options, model, converted, tokenizer, transfer_texts)
+        summary["transfer"] = run_transfer(options, model, converted, tokenizer, transfer_texts, stages)
         names = ", ".join(path.name for path in options_data_files(options))
         details["attention transfer"] = (
             f"{summary['transfer']['tokens']:,} tokens of {names}, {options.transfer_epochs} epoch(s) per layer, Adam "
@@ -459,9 +466,12 @@ def held_out_perplexity(model, tokenizer, texts: list[str], options: ConvertOpti
     return score_texts(model, tokenizer, texts, options.eval_max_length, batch_size=4).perplexity
 
 
-def run_transfer(options: ConvertOptions, parent, converted, tokenizer, texts: list[str]) -> dict:
+def run_transfer(
+    options: ConvertOptions, parent, converted, tokenizer, texts: list[str], stages: ConvertStages
+) -> dict:
     """Attention transfer of `converted` from `parent` on `texts` (`--tokens` of them in `--block_size` rows), with
-    a progress bar; what it did, per layer and in all."""
+    a progress bar; what it did, per layer and in all. Each layer is kept in `stages` once done, and the layers an
+    earlier launch of the command kept there are read back instead of trained again."""
     from tqdm.auto import tqdm
 
     from .convert.transfer import attention_transfer, transfer_batches, transfer_steps
@@ -474,7 +484,10 @@ def run_transfer(options: ConvertOptions, parent, converted, tokenizer, texts: l
             f"--data holds {tokens} tokens in rows of {block}: too little to learn from; give more text (at least "
             f"{2 * block} tokens) or a smaller --block_size."
         )
-    layers = converted.config.num_hidden_layers
+    done = stages.transferred(converted)
+    if done:
+        print(f"attention transfer: layers {', '.join(map(str, done))} read back from {stages.folder}")
+    layers = converted.config.num_hidden_layers - len(done)
     start = time.perf_counter()
     with tqdm(total=transfer_steps(batches, layers, options.transfer_epochs), desc="attention transfer") as bar:
         results = attention_transfer(
@@ -484,18 +497,24 @@ def run_transfer(options: ConvertOptions, parent, converted, tokenizer, texts: l
             epochs=options.transfer_epochs,
             learning_rate=options.transfer_learning_rate,
             progress=bar.update,
+            done=done,
+            on_layer=stages.keep_layer,
         )
+    earlier = sum(result.seconds for result in done.values())
     return {
         "tokens": tokens,
-        "seconds": time.perf_counter() - start,
+        "seconds": earlier + time.perf_counter() - start,
         "layers": [dataclasses.asdict(result) for result in results],
+        **({"resumed_layers": len(done), "seconds_before_resume": earlier} if done else {}),
     }
 
 
 class ConvertStages:
-    """`OUT.stages`, beside OUT while a `convert --distill` runs: the model entering distillation (`start/`, with
-    what the stages before it measured) and the distillation's Trainer checkpoints (`distillation/`), so that the
-    same command run again after a stop resumes there instead of converting and transferring again. Kept for this
+    """`OUT.stages`, beside OUT while a `convert --transfer` or `--distill` runs: each layer attention transfer has
+    finished (`transfer/layer-NNN.*`, its attention weights and what it measured), the model entering distillation
+    (`start/`, with what the stages before it measured) and the distillation's Trainer checkpoints
+    (`distillation/`), so that the same command run again after a stop resumes where it stood: from the
+    distillation's newest checkpoint, or converting again and transferring only the layers not done. Kept for this
     command's options and text only (`options.json`: the options, and a digest of each text file they name):
     another command's stages, or stages made from text edited since, are set aside, never trained on. Dropped
     once OUT is written."""
@@ -503,7 +522,7 @@ class ConvertStages:
     def __init__(self, options: ConvertOptions) -> None:
         self.folder = Path(options.out).with_name(Path(options.out).name + ".stages")
         self.options = json.loads(json.dumps(dataclasses.asdict(options), default=str))
-        if options.distill:  # only a distilling command keeps stages
+        if options.transfer or options.distill:  # the commands that keep stages
             from .data import expand_files
 
             named = {"--calibration": options.calibration, "--data": options.data, "--eval_data": options.eval_data}
@@ -511,11 +530,12 @@ class ConvertStages:
             self.options["text_digests"] = {str(path): file_digest(path) for path in texts}
 
     def resume(self):
-        """(model, tokenizer, state) of a kept start of distillation for these options, or None."""
+        """(model, tokenizer, state) of a kept start of distillation for these options, or None. Stages another
+        command left are set aside here, so that what is read later (`transferred`) is this command's."""
         from .loading import load_model_and_tokenizer
 
         stamp, start = self.folder / "options.json", self.folder / "start"
-        if not (start / "stage.json").is_file():
+        if not self.folder.is_dir():
             return None
         kept = json.loads(stamp.read_text()) if stamp.is_file() else {}
         if kept != self.options:
@@ -525,21 +545,60 @@ class ConvertStages:
             why = f"it differs in {', '.join(differ)}" if kept else "it has no options.json"
             print(f"{self.folder} was not left by this command ({why}): moved to {aside}; starting over")
             return None
+        if not (start / "stage.json").is_file():
+            return None
         model, tokenizer = load_model_and_tokenizer(str(start))
         print(f"resuming from {start}: the stages before distillation, done by an earlier run of this command")
         return model, tokenizer, json.loads((start / "stage.json").read_text())
 
-    def keep(self, model, tokenizer, state: dict) -> None:
-        from .checkpoints import publish_folder, save_checkpoint
+    def stamp(self) -> None:
+        from .checkpoints import write_atomically
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "options.json").write_text(json.dumps(self.options, indent=2))
+        write_atomically(self.folder / "options.json", json.dumps(self.options, indent=2))
+
+    def keep_layer(self, attention: torch.nn.Module, result: LayerTransfer) -> None:
+        """One layer's finished transfer: its attention's weights, then what it measured (the marker)."""
+        from safetensors.torch import save_file
+
+        from .checkpoints import write_atomically
+
+        self.stamp()
+        folder = self.folder / "transfer"
+        folder.mkdir(exist_ok=True)
+        name = f"layer-{result.layer:03d}"
+        weights = {key: value.detach().contiguous() for key, value in attention.state_dict().items()}
+        save_file(weights, folder / f"{name}.safetensors")
+        write_atomically(folder / f"{name}.json", json.dumps(dataclasses.asdict(result), indent=2))
+
+    def transferred(self, converted) -> dict[int, LayerTransfer]:
+        """The layers an earlier launch of this command transferred, by index: their attention weights loaded into
+        `converted`, and what they measured (`LayerTransfer`)."""
+        from safetensors.torch import load_file
+
+        from .convert.transfer import LayerTransfer
+
+        done = {}
+        for record in sorted((self.folder / "transfer").glob("layer-*.json")):
+            result = LayerTransfer(**json.loads(record.read_text()))
+            attention = converted.model.layers[result.layer].self_attn
+            attention.load_state_dict(load_file(record.with_suffix(".safetensors")))
+            done[result.layer] = result
+        return done
+
+    def keep(self, model, tokenizer, state: dict) -> None:
+        import shutil
+
+        from .checkpoints import publish_folder, save_checkpoint
+
+        self.stamp()
 
         def write(staging: Path) -> None:
             save_checkpoint(staging, model, tokenizer=tokenizer)
             (staging / "stage.json").write_text(json.dumps(state, indent=2))  # last: the stage is complete
 
         publish_folder(self.folder / "start", write)
+        shutil.rmtree(self.folder / "transfer", ignore_errors=True)  # in start/ now
 
     def drop(self) -> None:
         import shutil

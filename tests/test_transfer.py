@@ -335,6 +335,53 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
     assert not (tmp_path / "again.stages").exists()
 
 
+def test_a_stopped_transfer_trains_only_the_layers_not_done(tmp_path, texts, monkeypatch, capsys):
+    """`convert --transfer` keeps each layer in OUT.stages once transferred; stopped after the first of three, the
+    same command again converts, reads that layer back and trains only the other two, ending where one uninterrupted
+    run ends (each layer learns from the parent's hidden states, so the others' state does not change it)."""
+    import hf_attn_zoo.cli as cli
+    from hf_attn_zoo.convert import transfer
+
+    parent = saved_model(tmp_path / "parent", num_hidden_layers=3)
+
+    def argv(out):
+        words = ["convert", str(parent), str(out), "--to", "mqa", "--transfer", "--data", str(texts[0])]
+        return [*words, "--tokens", "640", "--block_size", "32", "--transfer_epochs", "2"]
+
+    assert main(argv(tmp_path / "whole")) == 0
+    keep_layer, trained = cli.ConvertStages.keep_layer, []
+
+    def kept_then_stopped(stages, attention, result):
+        keep_layer(stages, attention, result)
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(cli.ConvertStages, "keep_layer", kept_then_stopped)
+    out, stages = tmp_path / "mqa", tmp_path / "mqa.stages"
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(argv(out))
+    assert not out.exists()
+    assert sorted(path.name for path in (stages / "transfer").iterdir()) == ["layer-000.json", "layer-000.safetensors"]
+
+    transfer_layer = transfer.transfer_layer
+
+    def counted(index, *args):
+        trained.append(index)
+        return transfer_layer(index, *args)
+
+    monkeypatch.setattr(cli.ConvertStages, "keep_layer", keep_layer)
+    monkeypatch.setattr(transfer, "transfer_layer", counted)
+    assert main(argv(out)) == 0 and trained == [1, 2]
+    assert "layers 0 read back" in capsys.readouterr().out and not stages.exists()
+    whole, resumed = (AutoModelForCausalLM.from_pretrained(folder) for folder in (tmp_path / "whole", out))
+    for (name, expected), (_, actual) in zip(whole.state_dict().items(), resumed.state_dict().items(), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5, msg=name)
+    summaries = [
+        json.loads((folder / "training_summary.json").read_text())["transfer"] for folder in (tmp_path / "whole", out)
+    ]
+    assert summaries[1]["resumed_layers"] == 1 and summaries[1]["seconds_before_resume"] > 0
+    assert summaries[1]["layers"][0] == summaries[0]["layers"][0] | {"seconds": summaries[1]["layers"][0]["seconds"]}
+
+
 @pytest.mark.parametrize(
     ("extra", "named"),
     [

@@ -29,7 +29,7 @@ teacher-forced over sentence pairs, the encoder's outputs the parent's.
 import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -305,11 +305,17 @@ def attention_transfer(
     learning_rate: float = 1e-3,
     layers: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
+    done: Mapping[int, LayerTransfer] | None = None,
+    on_layer: Callable[[torch.nn.Module, LayerTransfer], None] | None = None,
 ) -> list[LayerTransfer]:
     """Train each of `student`'s attention layers (all, or those in `layers`) to reproduce `parent`'s attention
     output on the calibration `batches` (`(B, T)` token ids), in place (module docstring): `epochs` passes over the
     batches per layer, Adam at `learning_rate`, no weight decay (a layer that already reproduces its parent stays
-    as it is). `progress` is called with the number of steps just taken. Returns one `LayerTransfer` per layer."""
+    as it is). `progress` is called with the number of steps just taken, `on_layer` with each layer's attention
+    and result once trained. Layers in `done` (index -> result) were transferred before, their weights already in
+    `student`: skipped, their results returned as they are. Each layer learns from the parent's hidden states, never
+    the student's, so a layer's transfer is the same whichever others are done. Returns one `LayerTransfer` per
+    layer."""
     parent = zoo_parent(parent)
     if parent.config.num_hidden_layers != student.config.num_hidden_layers:
         raise ValueError(
@@ -332,20 +338,23 @@ def attention_transfer(
             parent_kwargs = [kwargs for _, kwargs in inputs]
             student_kwargs = [attention_kwargs(first_layer_inputs(student, batch)[1]) for batch in batches]
         for index, (parent_layer, student_layer) in enumerate(zip(parent.model.layers, student.model.layers)):
-            if index in chosen:
-                results.append(
-                    transfer_layer(
-                        index,
-                        parent_layer,
-                        student_layer.self_attn,
-                        hidden,
-                        parent_kwargs,
-                        student_kwargs,
-                        epochs,
-                        learning_rate,
-                        progress,
-                    )
+            if index in chosen and index in (done or {}):
+                results.append(done[index])
+            elif index in chosen:
+                result = transfer_layer(
+                    index,
+                    parent_layer,
+                    student_layer.self_attn,
+                    hidden,
+                    parent_kwargs,
+                    student_kwargs,
+                    epochs,
+                    learning_rate,
+                    progress,
                 )
+                results.append(result)
+                if on_layer is not None:
+                    on_layer(student_layer.self_attn, result)
             if index == last:
                 break  # the parent's later layers are not needed
             with torch.no_grad():
