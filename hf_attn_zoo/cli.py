@@ -345,6 +345,13 @@ def convert_and_transfer(
     conversion = convert_model(options, model, tokenizer, method, calibration, fields)
     converted = conversion.model
     seconds = time.perf_counter() - start
+    window, block = getattr(converted.config, "sliding_window", None), options.block_size
+    if (options.transfer or options.distill) and window is not None and block <= window:
+        raise UserError(
+            f"--block_size {block}: rows of {block} tokens fit in the window of {window} keys, so the converted "
+            f"attention equals the parent's on every row and --transfer / --distill have nothing to learn; give "
+            f"--block_size above {window} (e.g. {2 * window})."
+        )
     gguf = f" / {options.gguf_file}" if options.gguf_file else ""
     details = {"converted from": f"{options.src}{gguf} ({model.config.model_type})"}
     if latent:

@@ -191,6 +191,13 @@ def test_targets_name_the_convert_options_they_build():
         "32",
     ]
     assert frontier.cell_name("linear:hedgehog", "transfer", 60000) == "linearhedgehog-transfer-60000"
+    # a window as wide as the rows would see every key of them: its cells read rows twice the window
+    rows = frontier.FrontierSetup(block_size=256)
+    assert [frontier.block_size(rows, target) for target in ("sliding_window:64+4", "sliding_window:256", "mqa")] == [
+        256,
+        512,
+        256,
+    ]
 
 
 def test_a_rows_command_names_paths_under_the_working_directory_relatively(tmp_path, monkeypatch):

@@ -410,6 +410,18 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, texts, capsys, extra
     assert not out.exists()
 
 
+def test_rows_that_fit_in_the_window_are_refused(tmp_path, texts, capsys):
+    """A window as wide as the rows sees every key of every row: the converted attention is the parent's there, and
+    transfer or distillation on such rows cannot learn what the window changes."""
+    parent = saved_model(tmp_path / "parent")
+    out = tmp_path / "out"
+    argv = ["convert", str(parent), str(out), "--to", "sliding_window", "--config", '{"sliding_window": 32}']
+    argv += ["--transfer", "--data", str(texts[0]), "--block_size", "32"]
+    assert "rows of 32 tokens fit in the window of 32 keys" in one_line_error(capsys, argv)
+    assert not out.exists() and not (tmp_path / "out.stages").exists()
+    assert main([*argv[:-1], "33"]) == 0  # a row one longer: its last query no longer sees the first key
+
+
 def test_a_parent_without_a_tokenizer_is_refused(tmp_path, texts, capsys):
     parent = saved_model(tmp_path / "parent", tokenizer=False)
     out = tmp_path / "out"

@@ -108,7 +108,9 @@ class FrontierSetup(Results):
     calibration_addresses: int = field(
         default=8, metadata={"help": "calibrated pooling and MLA's fits read the last N training addresses"}
     )
-    block_size: int = field(default=256, metadata={"help": "tokens per training row"})
+    block_size: int = field(
+        default=256, metadata={"help": "tokens per training row (twice a sliding window at least as wide)"}
+    )
     batch_size: int = field(default=4, metadata={"help": "rows per uptraining / distillation step"})
     learning_rate: float = field(default=3e-4, metadata={"help": "peak learning rate of ce and distillation"})
     transfer_learning_rate: float = field(default=1e-3, metadata={"help": "Adam's rate of attention transfer"})
@@ -183,6 +185,14 @@ def cells(setup: FrontierSetup) -> list[tuple[str, str, int]]:
     return plan
 
 
+def block_size(setup: FrontierSetup, target: str) -> int:
+    """Tokens per training row: `--block_size`, or twice a sliding window as wide as that (a row that fits in the
+    window is seen whole, and there is nothing to repair on it)."""
+    variant, _, size = target.partition(":")
+    window = int(size.partition("+")[0]) if variant == "sliding_window" else 0
+    return 2 * window if window >= setup.block_size else setup.block_size
+
+
 def command(setup: FrontierSetup, target: str, method: str, budget: int, files: dict, out: Path) -> list[str]:
     """The `hf-attn-zoo convert` arguments of one cell."""
     argv = ["convert", setup.parent, str(out), *target_options(target, setup.pooling)]
@@ -191,7 +201,7 @@ def command(setup: FrontierSetup, target: str, method: str, budget: int, files: 
     argv += ["--eval_data", files["held_out"], "--eval_max_length", str(setup.eval_max_length)]
     if budget == 0:
         return argv
-    argv += ["--data", *files["train"], "--tokens", str(budget), "--block_size", str(setup.block_size)]
+    argv += ["--data", *files["train"], "--tokens", str(budget), "--block_size", str(block_size(setup, target))]
     if method in TRANSFERS:
         argv += ["--transfer", "--transfer_learning_rate", str(setup.transfer_learning_rate)]
         argv += ["--transfer_batch_size", str(setup.transfer_batch_size)]
