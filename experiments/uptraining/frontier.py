@@ -366,7 +366,7 @@ def frontier_table(result: dict) -> str:
 
 def plot_frontier(result: dict, path: Path) -> bool:
     """One panel per target: held-out perplexity against the tokens read, a line per method from the conversion
-    alone; the parent dashed, the 10% target dotted."""
+    alone (a square); the parent dashed, the 10% target dotted."""
     plt = headless_pyplot()
     targets = [t for t in targets_of(result) if any(row["target"] == t for row in result["rows"])]
     if plt is None or not targets:
@@ -392,6 +392,9 @@ def plot_frontier(result: dict, path: Path) -> bool:
                     linestyle="-" if label in METHODS else "-.",
                     label=label,
                 )
+            if start:  # drawn on its own too: a target measured only as converted still shows its point
+                converted = start[0]["held_out_perplexity"]
+                axis.plot([0], [converted], marker="s", linestyle="none", color=colour("parent"), label="converted")
             axis.axhline(parent, color=colour("parent"), linestyle="--", label=f"parent ({parent:.1f})")
             axis.axhline(parent * (1 + TOLERANCE), color=colour("parent"), linestyle=":", label="parent + 10%")
             axis.set(title=target, xlabel="training tokens (thousands)", yscale="log")
