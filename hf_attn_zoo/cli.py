@@ -250,9 +250,9 @@ def attention_command(options: AttentionOptions) -> None:
 def convert_command(options: ConvertOptions) -> Path:
     """Convert SRC to `--to` (pooled heads, a latent, or any variant from the parent's projections), optionally with
     attention transfer on `--data`; with `--eval_data`, a summary of held-out perplexity: the parent, the converted
-    model before transfer and after. Every refusal comes before anything is written. With `--distill`, the model
-    entering distillation and the Trainer's checkpoints are kept in `OUT.stages` until OUT is written: the same
-    command run again after a stop resumes from them (`ConvertStages`)."""
+    model before transfer and after. Every refusal comes before anything is written. With `--transfer` or
+    `--distill`, each transferred layer, the model entering distillation and the Trainer's checkpoints are kept in
+    `OUT.stages` until OUT is written: the same command run again after a stop resumes from them (`ConvertStages`)."""
     from .checkpoints import save_checkpoint
     from .convert import METHODS
     from .convert.calibrated import CALIBRATION_METHODS
@@ -292,11 +292,16 @@ def convert_command(options: ConvertOptions) -> Path:
     held_out = []
     if options.eval_data:
         held_out = read_texts(expand_files(options.eval_data, "--eval_data"), options.eval_max_chars, "--eval_data")
+    if options.transfer or options.distill:  # the window the command asks for (the parent's length: once loaded)
+        default = getattr(VARIANTS[options.to].config_class(), "sliding_window", None)
+        check_rows_exceed_window(options, fields.get("sliding_window", default))
     stages = ConvertStages(options)
     if (resumed := stages.resume()) is not None:  # an earlier run of this command got as far as distillation
         converted, tokenizer, state = resumed
         summary, details, scores = state["summary"], state["details"], state["scores"]
-        how, seconds, earlier = state["how"], state["seconds"], state["elapsed"]
+        how, seconds = state["how"], state["seconds"]
+        # stages kept before the command counted its launches: their conversion and transfer
+        earlier = state.get("elapsed", seconds + summary.get("transfer", {}).get("seconds", 0.0))
     else:
         converted, tokenizer, summary, details, scores, how, seconds = convert_and_transfer(
             options, method, calibration, files, fields, transfer_texts, held_out, stages
@@ -345,13 +350,9 @@ def convert_and_transfer(
     conversion = convert_model(options, model, tokenizer, method, calibration, fields)
     converted = conversion.model
     seconds = time.perf_counter() - start
-    window, block = getattr(converted.config, "sliding_window", None), options.block_size
-    if (options.transfer or options.distill) and window is not None and block <= window:
-        raise UserError(
-            f"--block_size {block}: rows of {block} tokens fit in the window of {window} keys, so the converted "
-            f"attention equals the parent's on every row and --transfer / --distill have nothing to learn; give "
-            f"--block_size above {window} (e.g. {2 * window})."
-        )
+    window = getattr(converted.config, "sliding_window", None)
+    if options.transfer or options.distill:
+        check_rows_exceed_window(options, window, converted.config.max_position_embeddings)
     gguf = f" / {options.gguf_file}" if options.gguf_file else ""
     details = {"converted from": f"{options.src}{gguf} ({model.config.model_type})"}
     if latent:
@@ -384,6 +385,26 @@ def convert_and_transfer(
         if held_out:
             scores["transferred"] = held_out_perplexity(converted, tokenizer, held_out, options)
     return converted, tokenizer, summary, details, scores, conversion.how, seconds
+
+
+def check_rows_exceed_window(options: ConvertOptions, window: int | None, positions: int | None = None) -> None:
+    """Refuse rows that fit in a sliding `window`: there the converted attention sees every key, is the parent's,
+    and transfer or distillation on them cannot learn what the window changes. The rows read are `--block_size`
+    tokens, or the model's `positions` where fewer."""
+    if window is None:
+        return
+    if positions is not None and positions <= window:
+        raise UserError(
+            f"--to {options.to}: the parent reads at most {positions} positions, all within the window of {window} "
+            f"keys, so the window changes nothing it can learn from; choose a window below {positions}."
+        )
+    rows = options.block_size if positions is None else min(options.block_size, positions)
+    if rows <= window:
+        raise UserError(
+            f"--block_size {options.block_size}: rows of {rows} tokens fit in the window of {window} keys, so the "
+            f"converted attention equals the parent's on every row and --transfer / --distill have nothing to "
+            f"learn; give --block_size above {window} (e.g. {2 * window})."
+        )
 
 
 def target_config(options: ConvertOptions) -> dict:
@@ -456,9 +477,12 @@ def transfer_data(options: ConvertOptions) -> list[str]:
 
 def convert_model(options: ConvertOptions, model, tokenizer, method: str, calibration, fields: dict):
     """`convert_attention` of the loaded parent, its refusals as one line naming SRC."""
+    from transformers import set_seed
+
     from .convert.transfer import convert_attention
 
     pooling = {"method": method} if options.to in ("mha", "gqa", "mqa", "mla") else {}
+    set_seed(0)  # the same fresh parameters every run: a command resumed after a stop converts as its first launch did
     if calibration is not None:
         pooling.update(calibration=calibration, tokenizer=tokenizer, max_calibration_tokens=options.calibration_tokens)
     try:
@@ -575,7 +599,9 @@ class ConvertStages:
         folder.mkdir(exist_ok=True)
         name = f"layer-{result.layer:03d}"
         weights = {key: value.detach().contiguous() for key, value in attention.state_dict().items()}
-        save_file(weights, folder / f"{name}.safetensors")
+        staging = folder / f"{name}.safetensors.partial"
+        save_file(weights, staging)
+        os.replace(staging, folder / f"{name}.safetensors")  # whole or absent, and before its marker
         write_atomically(folder / f"{name}.json", json.dumps(dataclasses.asdict(result), indent=2))
 
     def transferred(self, converted) -> dict[int, LayerTransfer]:

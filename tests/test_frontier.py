@@ -87,6 +87,14 @@ def test_every_cell_is_its_convert_command_and_a_rerun_reads_them_back(tmp_path,
     scored = Path(options.output_dir) / "cells" / "mqa-ce-256" / "frontier.json"
     scored.write_text(json.dumps({"seconds": rows["mqa-ce-256"]["seconds"]}))
     again = frontier.run_frontier(options, log=lambda _: None)
+    # a cell made by another command (here: rows of another length) is refused, not read back as this one's
+    made = json.loads(scored.read_text())
+    other = rows["mqa-ce-256"]["command"].replace("--block_size 32", "--block_size 16")
+    assert other != rows["mqa-ce-256"]["command"]
+    scored.write_text(json.dumps({**made, "command": other}))
+    with pytest.raises(SystemExit, match="was made by another command"):
+        frontier.run_frontier(options, log=lambda _: None)
+    scored.write_text(json.dumps(made))
     assert [row["held_out_perplexity"] for row in again["rows"]] == [
         row["held_out_perplexity"] for row in rows.values()
     ]

@@ -165,6 +165,21 @@ def test_resume_continues_the_same_loss_trajectory(tmp_path):
     assert len(seconds) == 16 and seconds == sorted(seconds) and seconds[8] >= first_part  # one per loss
 
 
+def test_a_checkpoint_without_the_clock_state_resumes_counting_from_its_last_log(tmp_path):
+    """A checkpoint written without the throughput callback's exported state (by an earlier version): the run
+    resumes, counts on from the last logged elapsed_seconds, and its next checkpoints carry the state."""
+    common = ["--training.max_steps", 8, "--training.save_steps", 4, "--training.logging_steps", 1]
+    tiny_run(tmp_path / "run", *common, callbacks=[StopAt(4)])
+    state_file = tmp_path / "run" / "checkpoint-4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["stateful_callbacks"]["ThroughputCallback"]
+    state_file.write_text(json.dumps(state))
+    resumed = tiny_run(tmp_path / "run", *common, "--training.resume_from_checkpoint", "latest")
+    assert resumed["steps"] == 8 and resumed["seconds_before_resume"] == state["log_history"][-1]["elapsed_seconds"]
+    saved = json.loads((tmp_path / "run" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["ThroughputCallback"]["attributes"]["elapsed_at_save"] > 0
+
+
 def test_padding_free_training_keeps_documents_apart(tmp_path):
     summary = tiny_run(tmp_path / "run", "--training.max_steps", 4, "--data.packing", "documents")
     assert summary["steps"] == 4 and math.isfinite(summary["validation_perplexity"])

@@ -419,7 +419,20 @@ def test_rows_that_fit_in_the_window_are_refused(tmp_path, texts, capsys):
     argv += ["--transfer", "--data", str(texts[0]), "--block_size", "32"]
     assert "rows of 32 tokens fit in the window of 32 keys" in one_line_error(capsys, argv)
     assert not out.exists() and not (tmp_path / "out.stages").exists()
+    wider = [*argv[:6], '{"sliding_window": 300}', *argv[7:-1], "512"]  # rows of 512, but the parent reads 256
+    assert "reads at most 256 positions, all within the window of 300" in one_line_error(capsys, wider)
     assert main([*argv[:-1], "33"]) == 0  # a row one longer: its last query no longer sees the first key
+    assert not out.with_name("out.stages").exists()
+
+
+def test_conversion_to_fresh_parameters_is_the_same_every_run(tmp_path):
+    """Linformer's sequence projections start fresh: converted twice, the same numbers, so a command resumed after a
+    stop trains the layers it had not done from where its first launch would have."""
+    parent = saved_model(tmp_path / "parent")
+    for out in ("a", "b"):
+        assert main(["convert", str(parent), str(tmp_path / out), "--to", "linformer"]) == 0
+    first, second = (AutoModelForCausalLM.from_pretrained(tmp_path / out).state_dict() for out in ("a", "b"))
+    assert all(torch.equal(first[name], second[name]) for name in first)  # the same computation, bit for bit
 
 
 def test_a_parent_without_a_tokenizer_is_refused(tmp_path, texts, capsys):

@@ -239,11 +239,16 @@ def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files:
     argv = command(setup, target, method, budget, files, out)
     summary_file, scored_file = out / "training_summary.json", out / "frontier.json"
     scored = json.loads(scored_file.read_text()) if scored_file.is_file() else {}
+    said = "hf-attn-zoo " + " ".join(map(relative, argv))
+    if scored.get("command", said) != said:  # e.g. rows of another length: not this cell's result
+        raise SystemExit(
+            f"{out} was made by another command ({scored['command']}); move it away or choose another --output_dir"
+        )
     if not (summary_file.is_file() and "seconds" in scored):  # a stop before: convert again (it resumes its stages)
         if command_line(argv) != 0:
             raise SystemExit(f"{out.name}: hf-attn-zoo {' '.join(argv)} failed")
         # the command's wall time, over every launch when it resumed its stages
-        scored = {"seconds": json.loads(summary_file.read_text())["seconds"]}
+        scored = {"seconds": json.loads(summary_file.read_text())["seconds"], "command": said}
         write_atomically(scored_file, json.dumps(scored, indent=2))
     if "reference_perplexity" not in scored:  # a stop while scoring: the cell's model is there, score it again
         scored["reference_perplexity"] = references(setup, str(out))
@@ -261,7 +266,7 @@ def run_cell(setup: FrontierSetup, target: str, method: str, budget: int, files:
         "parent_held_out_perplexity": held_out["parent"],
         "stages": held_out,
         **scored,
-        "command": "hf-attn-zoo " + " ".join(map(relative, argv)),
+        "command": said,
     }
 
 

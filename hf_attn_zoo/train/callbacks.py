@@ -153,9 +153,15 @@ class ThroughputCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, **kwargs):
         # By now the Trainer has read a resumed checkpoint's trainer state; a fresh run's holds this callback's
         # state as constructed, 0 seconds.
-        saved = state.stateful_callbacks.get(type(self).__name__) or {}
-        saved = saved[-1] if isinstance(saved, list) else saved
-        self.carried_seconds = saved.get("attributes", {}).get("elapsed_at_save", 0.0)
+        name = type(self).__name__
+        saved = state.stateful_callbacks.get(name)
+        if saved is None:  # a checkpoint saved without this state: count from its last log, and export from now on
+            logged = [entry["elapsed_seconds"] for entry in state.log_history if "elapsed_seconds" in entry]
+            self.carried_seconds = logged[-1] if logged else 0.0
+            state.stateful_callbacks[name] = self.state()  # the Trainer's save updates the entry it finds
+        else:
+            saved = saved[-1] if isinstance(saved, list) else saved
+            self.carried_seconds = saved.get("attributes", {}).get("elapsed_at_save", 0.0)
         self._began = time.perf_counter() - self.carried_seconds
 
     def on_step_begin(self, args, state, control, **kwargs):
