@@ -708,6 +708,9 @@ def run_distillation(options: ConvertOptions, converted, tokenizer, stages: Path
         report_to=[],
     )
     summary = run_training(model_args, data_args, training_args)
+    if training_args.resume_from_checkpoint and "resumed_from_step" not in summary:
+        # an earlier launch had finished it (its saved summary, read back): all its seconds came before this one
+        summary = {**summary, "resumed_from_step": summary["steps"], "seconds_before_resume": summary["seconds"]}
     distilled = AutoModelForCausalLM.from_pretrained(summary["final_model"]).eval()
     keep = ("steps", "train_tokens", "seconds", "tokens_per_second", "losses", "validation_perplexity")
     keep += ("resumed_from_step", "seconds_before_resume") if "resumed_from_step" in summary else ()

@@ -334,6 +334,22 @@ def test_a_stopped_convert_resumes_where_distillation_stands(tmp_path, texts, mo
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the first run's transfer, read back
     assert not (tmp_path / "again.stages").exists()
 
+    # stopped after the distillation finished, before OUT: the next launch reads it back and counts all its seconds
+    def finished_then_stopped(model_args, data_args, training_args):
+        real(model_args, data_args, training_args)
+        raise RuntimeError("stopped")
+
+    monkeypatch.undo()  # convert_and_transfer as it is
+    monkeypatch.setattr(train, "run_training", finished_then_stopped)
+    with pytest.raises(RuntimeError, match="stopped"):
+        main(argv(tmp_path / "late"))
+    monkeypatch.setattr(train, "run_training", real)
+    monkeypatch.setattr(cli, "convert_and_transfer", converted_again)  # resumed from its stages
+    assert main(argv(tmp_path / "late")) == 0
+    late = json.loads((tmp_path / "late" / "training_summary.json").read_text())
+    assert late["distillation"]["seconds_before_resume"] == late["distillation"]["seconds"] > 0
+    assert late["seconds"] > late["distillation"]["seconds"]
+
 
 def test_a_stopped_transfer_trains_only_the_layers_not_done(tmp_path, texts, monkeypatch, capsys):
     """`convert --transfer` keeps each layer in OUT.stages once transferred; stopped after the first of three, the

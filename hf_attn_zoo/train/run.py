@@ -117,8 +117,7 @@ def report_finished(finished: dict, training_args: TrainingArguments) -> dict:
             f"{training_args.max_steps}), validation perplexity {finished['validation_perplexity']}; nothing "
             f"trained or written (raise training.max_steps to train on)."
         )
-    # resumed at its last step: every second of it came before this launch
-    return {**finished, "resumed_from_step": finished["steps"], "seconds_before_resume": finished["seconds"]}
+    return finished
 
 
 def prepare_on_every_process(prepare, data_args: DataArguments, training_args: TrainingArguments) -> Prepared:
