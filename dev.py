@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up whatever is missing, then run the tests or the main job. Needs nothing but Python >= 3.10.
 
-    python3 dev.py test [pytest arguments]    the test suite (what CI runs, through .ci/run)
+    python3 dev.py test [pytest arguments]    the test suite (what CI runs, through .ci/run), one worker per core
     python3 dev.py demo [demo options]        the main job (`hf-attn-zoo demo --help` lists the options)
     python3 dev.py docs [--serve]             the documentation site, built strictly into site/ (or served locally)
 
@@ -61,6 +61,17 @@ def set_up() -> None:
     STAMP.write_text(fingerprint)
 
 
+def workers(rest: list[str]) -> list[str]:
+    """pytest-xdist options: one worker per core (at most 4), each test file whole on one worker so that a file's
+    module fixtures are built once. Nothing when there is one core or the arguments choose (`-n 0` runs in-process,
+    which `--pdb` needs)."""
+    chosen = ("-n", "--numprocesses", "--dist", "no:xdist")
+    if any(arg in chosen or arg.startswith(("-n", "--numprocesses=", "--dist=")) for arg in rest):
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return ["--numprocesses", str(min(cores, 4)), "--dist", "loadfile"] if cores > 1 else []
+
+
 def docs(rest: list[str], env: dict[str, str]) -> int:
     """`mkdocs build --strict` into site/, or `mkdocs serve` with `--serve` (other arguments go to mkdocs)."""
     mkdocs = [str(PYTHON), "-m", "mkdocs"]
@@ -78,7 +89,7 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if command == "test":
-        return subprocess.call([str(PYTHON), "-m", "pytest", *rest], cwd=ROOT, env=env)
+        return subprocess.call([str(PYTHON), "-m", "pytest", *workers(rest), *rest], cwd=ROOT, env=env)
     if command == "docs":
         # mkdocs-material asks its users to consider a successor on every build; the build log should show the site
         return docs(rest, {**env, "NO_MKDOCS_2_WARNING": "1"})

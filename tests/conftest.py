@@ -29,6 +29,14 @@ os.environ["HF_DATASETS_CACHE"] = _DATASETS_CACHE
 if "datasets" in sys.modules:  # imported already (by a plugin or the package): it read the variable at import
     sys.modules["datasets"].config.HF_DATASETS_CACHE = Path(_DATASETS_CACHE)
 
+# `python3 dev.py test` runs the suite in pytest-xdist workers, one per core. Each worker takes its share of the
+# cores as threads (its subprocesses inherit it) unless the run set OMP_NUM_THREADS: every worker at every core
+# oversubscribes them, and OpenMP threads waiting on each other cost far more than the share.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // _WORKERS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 VOCAB_SIZE = 97
 
 # Two different kernels or shapes computing the same function in float32 (chunked vs dense, cached vs uncached,
@@ -286,6 +294,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_configure(config):
+    if config.getoption("--works-with") and getattr(config.option, "numprocesses", None):
+        # each pytest-xdist worker would hold only its own tests' outcomes
+        raise pytest.UsageError("--works-with records in one process: add -n 0")
     # The suite runs offline: nothing may reach the Hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -180,7 +180,8 @@ def test_continuous_batching_is_refused_up_front_or_not_at_all(name, tmp_path, c
     assert model_type in line and reason_of(name) in line and "without --continuous_batching" in line, line
     serving_extra()  # the command checks that the server can run at all first
     capsys.readouterr()  # what saving the checkpoint printed
-    assert main(["serve", str(folder), "--continuous_batching"]) == 2
+    # a free port: never the default one, which another run on the machine may hold
+    assert main(["serve", str(folder), "--port", str(free_port()), "--continuous_batching"]) == 2
     assert capsys.readouterr().err.strip() == line
 
 
