@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up whatever is missing, then run the tests or the main job. Needs nothing but Python >= 3.10.
 
-    python3 dev.py test [pytest arguments]    the test suite (what CI runs, through .ci/run), one worker per core
+    python3 dev.py test [pytest arguments]    the test suite (what CI runs, through .ci/run), a worker per core
     python3 dev.py demo [demo options]        the main job (`hf-attn-zoo demo --help` lists the options)
     python3 dev.py docs [--serve]             the documentation site, built strictly into site/ (or served locally)
 
@@ -63,10 +63,11 @@ def set_up() -> None:
 
 def workers(rest: list[str]) -> list[str]:
     """pytest-xdist options: one worker per core (at most 4), each test file whole on one worker so that a file's
-    module fixtures are built once. Nothing when there is one core or the arguments choose (`-n 0` runs in-process,
-    which `--pdb` needs)."""
-    chosen = ("-n", "--numprocesses", "--dist", "no:xdist")
-    if any(arg in chosen or arg.startswith(("-n", "--numprocesses=", "--dist=")) for arg in rest):
+    module fixtures are built once. Nothing when there is one core, when the arguments or PYTEST_ADDOPTS choose
+    (`-n 0` runs in one process), or for the debugger (`--pdb`, `--trace`), which needs one process."""
+    given = [*rest, *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    chosen = ("-n", "--numprocesses", "--dist", "no:xdist", "--pdb", "--trace")
+    if any(arg in chosen or arg.startswith(("-n", "--numprocesses=", "--dist=", "-pno:xdist")) for arg in given):
         return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return ["--numprocesses", str(min(cores, 4)), "--dist", "loadfile"] if cores > 1 else []
