@@ -148,7 +148,12 @@ def test_trust_remote_code_in_a_process_without_the_package(tmp_path):
         folders.append(str(folder))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     result = subprocess.run(
-        [sys.executable, "-c", REMOTE_LOADER, *folders], capture_output=True, text=True, env=env, cwd=tmp_path
+        [sys.executable, "-c", REMOTE_LOADER, *folders],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("ok ") == len(folders)

@@ -100,7 +100,7 @@ def test_help_and_version_answer_without_importing_the_package():
         "        hf_attn_zoo_cli.main(argv)\n"
         "print(sorted(name for name in ('torch', 'hf_attn_zoo') if name in sys.modules))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
     assert result.stdout.strip() == "[]"
 
 

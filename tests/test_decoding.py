@@ -92,7 +92,7 @@ def test_the_compile_notice_reaches_stderr_without_logging_set_up():
             generate_compiled(Model(), torch.zeros(1, 2, dtype=torch.long))
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "compiling the decode step" in line]
     assert len(lines) == 1 and lines[0].startswith("torch.compile is compiling"), result.stderr[-3000:]

@@ -66,7 +66,9 @@ def test_the_installed_package_runs_where_there_are_no_experiments(tmp_path):
         "import sys, hf_attn_zoo, hf_attn_zoo.cli, hf_attn_zoo.convert, hf_attn_zoo.evaluation\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] == 'experiments'))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path, timeout=600
+    )
     assert result.stdout.strip() == "[]"
 
 
@@ -139,7 +141,7 @@ def test_llama_writes_ratios_from_the_command_line(tmp_path):
     args += ["--vocab_size", "64", "--train_seq_len", "16", "--train_steps", "1", "--prompt_len", "4"]
     args += ["--new_tokens", "3", "--decode_batch_sizes", "1", "2", "--decode_runs", "1", "--repeats", "2"]
     command = [sys.executable, "-m", "experiments", *args, "--output_dir", str(tmp_path)]
-    subprocess.run(command, cwd=REPOSITORY, check=True, capture_output=True, text=True)
+    subprocess.run(command, cwd=REPOSITORY, check=True, capture_output=True, text=True, timeout=600)
     result = json.loads((tmp_path / "speed_gqa_vs_llama.json").read_text())
     assert len(result["ratios"]) == 4 and all(ratio > 0 for ratio in result["ratios"].values())
     training = [metric for metric in result["ratios"] if metric.startswith("training")]

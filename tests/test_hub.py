@@ -106,6 +106,7 @@ def test_trust_remote_code_from_the_hub_in_a_process_without_the_package(hub, tm
         text=True,
         env=dict(os.environ),
         cwd=tmp_path,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith(f"ok {type(model).__name__}")

@@ -75,7 +75,11 @@ def test_text_generation_pipeline_without_the_package(tmp_path):
         expected[str(folder)] = pipeline_texts(folder)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     result = subprocess.run(
-        [sys.executable, "-c", PIPELINE_WITHOUT_PACKAGE, *expected], capture_output=True, text=True, env=env
+        [sys.executable, "-c", PIPELINE_WITHOUT_PACKAGE, *expected],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected

@@ -118,7 +118,7 @@ def test_each_native_format_loads_without_the_package(name, to, overrides, token
         "with torch.no_grad():\n"
         f"    torch.save(model(ids).logits, {str(tmp_path / 'logits.pt')!r})\n"
     )
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=600)
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -202,7 +202,9 @@ def test_deepseek_with_interleaved_rope_imports_exactly():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_attn_zoo_cli", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "hf_attn_zoo_cli", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_bad_input_exits_2_with_one_line_and_leaves_the_output_alone(tokenizer, tmp_path):

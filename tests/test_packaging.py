@@ -52,10 +52,14 @@ def test_a_wheel_builds_every_preset_and_trains_from_a_preset_recipe(tmp_path):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "hf_attn_zoo", source / "hf_attn_zoo", ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "wheels", source], check=True)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "wheels", source],
+        check=True,
+        timeout=600,
+    )
     [wheel] = (tmp_path / "wheels").glob("*.whl")
     site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", site, wheel], check=True)
+    subprocess.run([*pip, "install", "--no-deps", "--target", site, wheel], check=True, timeout=600)
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n" * 200)
@@ -87,6 +91,7 @@ def test_a_wheel_builds_every_preset_and_trains_from_a_preset_recipe(tmp_path):
         env=env,
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     built = json.loads(result.stdout.strip().splitlines()[-1])["built"]
@@ -105,6 +110,7 @@ def test_transformers_imports_quietly_in_this_environment():
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
         text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for warning in ("Failed to load", "torchao", "register_constant"):

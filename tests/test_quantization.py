@@ -55,6 +55,7 @@ def test_int8_weights_with_torchao(tmp_path):
         env=env,
         capture_output=True,
         text=True,
+        timeout=900,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
