@@ -17,6 +17,7 @@ an interpreter with that folder on its path; everything else imports transformer
 
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 import venv
@@ -64,13 +65,18 @@ def set_up() -> None:
 def workers(rest: list[str]) -> list[str]:
     """pytest-xdist options: one worker per core (at most 4), each test file whole on one worker so that a file's
     module fixtures are built once. Nothing when there is one core, when the arguments or PYTEST_ADDOPTS choose
-    (`-n 0` runs in one process), or for the debugger (`--pdb`, `--trace`), which needs one process."""
-    given = [*rest, *os.environ.get("PYTEST_ADDOPTS", "").split()]
-    chosen = ("-n", "--numprocesses", "--dist", "no:xdist", "--pdb", "--trace")
-    if any(arg in chosen or arg.startswith(("-n", "--numprocesses=", "--dist=", "-pno:xdist")) for arg in given):
+    (`-n 0` runs in one process), or for the debugger (`--pdb`, `--trace`), which needs one process; a `--dist` of
+    their own keeps its mode."""
+    given = [*rest, *shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))]  # as pytest reads it
+    chosen = ("-n", "--numprocesses", "no:xdist", "--pdb", "--trace")
+    if any(arg in chosen or arg.startswith(("-n", "--numprocesses=", "-pno:xdist")) for arg in given):
         return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return ["--numprocesses", str(min(cores, 4)), "--dist", "loadfile"] if cores > 1 else []
+    if cores == 1:
+        return []
+    # a --dist of the user's own replaces loadfile; workers are still needed for it to distribute to
+    dist = [] if any(arg == "--dist" or arg.startswith("--dist=") for arg in given) else ["--dist", "loadfile"]
+    return ["--numprocesses", str(min(cores, 4)), *dist]
 
 
 def docs(rest: list[str], env: dict[str, str]) -> int:

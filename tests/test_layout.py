@@ -131,7 +131,9 @@ REGISTRY_HOSTS = [
 
 def test_no_tracked_file_names_a_package_registry_address():
     try:
-        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        files = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=120
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: no tracked files to read")
     hits = []
